@@ -6,6 +6,7 @@ Text sigils: ``%`` temps and outputs, ``@`` weights, ``$`` states, ``!`` step in
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from stepgraph.ir.graph import Graph
@@ -69,8 +70,14 @@ def format_value(value: Value) -> str:
     return text
 
 
-def format_graph(graph: Graph, layers: set[int] | None = None, weights: bool = True) -> str:
-    """The whole graph as text; ``layers`` restricts the program to those model layers."""
+def format_graph(
+    graph: Graph,
+    layers: set[int] | None = None,
+    weights: bool = True,
+    annotate: Callable[[Node], str] | None = None,
+) -> str:
+    """The whole graph as text; ``layers`` restricts the program to those model layers;
+    ``annotate(node)`` adds a trailing comment (e.g. the provider chosen for a bin)."""
     lines = [f"graph {graph.name} {{"]
     if weights:
         shown = _referenced(graph, layers)
@@ -91,7 +98,9 @@ def format_graph(graph: Graph, layers: set[int] | None = None, weights: bool = T
             where = f"layer {node.layer}" if node.layer is not None else "step"
             lines.append(f"  // {where}: {node.unit}")
             current = key
-        lines.append(f"  {format_node(graph, node)}")
+        line = f"  {format_node(graph, node)}"
+        note = annotate(node) if annotate is not None else ""
+        lines.append(f"{line}  // {note}" if note else line)
     lines.append("}")
     return "\n".join(lines)
 
@@ -103,54 +112,6 @@ def _referenced(graph: Graph, layers: set[int] | None) -> set[str]:
             names.update(node.inputs)
             names.update(node.outputs)
     return names
-
-
-def graph_to_json(graph: Graph) -> dict[str, Any]:
-    """The graph as JSON-able data (values and nodes)."""
-    values = []
-    for value in graph.values.values():
-        item: dict[str, Any] = {
-            "name": value.name,
-            "storage": str(value.storage),
-            "shape": list(value.type.shape),
-            "dtype": value.type.dtype,
-        }
-        if value.split is not None:
-            item["split"] = {"group": value.split.group, "dim": value.split.dim,
-                             "ways": value.split.ways}
-        if value.view is not None:
-            v = value.view
-            item["view"] = {"base": v.base, "start": v.start, "stop": v.stop,
-                            "groups": v.groups, "pitch": v.pitch}
-        if value.storage is Storage.WEIGHT:
-            item["layout"] = value.layout
-            item["segments"] = [
-                {"name": s.name, "source": s.source, "rows": s.rows, "offset": s.offset,
-                 "split": None if s.split is None else
-                 {"group": s.split.group, "dim": s.split.dim, "ways": s.split.ways}}
-                for s in value.segments
-            ]
-        if value.owner is not None:
-            item["owner"] = value.owner
-        if value.attrs:
-            item["attrs"] = value.attrs
-        values.append(item)
-    nodes = [
-        {
-            "name": n.name,
-            "op": n.op,
-            "inputs": list(n.inputs),
-            "outputs": list(n.outputs),
-            "updates": list(n.updates),
-            "attrs": n.attrs,
-            "placement": {"kind": n.placement.kind, "group": n.placement.group,
-                          "ways": n.placement.ways, "dim": n.placement.dim},
-            "layer": n.layer,
-            "unit": n.unit,
-        }
-        for n in graph
-    ]
-    return {"name": graph.name, "values": values, "nodes": nodes}
 
 
 def _dot_id(name: str) -> str:

@@ -1,0 +1,166 @@
+"""The compiled artifact: a versioned, deterministic, hash-checked file.
+
+Layout: gzip (mtime 0, so identical inputs give identical bytes) of canonical JSON (sorted
+keys, no spaces) with these top-level keys:
+
+``format`` ("stepgraph-artifact"), ``format_version``, ``compiler_version``, ``spec`` (the
+model), ``deployment``, ``options`` (compile options), ``tables`` (tactic tables' target,
+version and digest), ``input_hash`` (sha256 over spec, deployment, options, tables and
+compiler version: the identity of what was compiled), ``graph`` (values, nodes, meta) and
+``hash`` (sha256 over every other key: what :func:`load_artifact` checks).
+
+Files are written atomically: a temporary file in the same folder, fsync, then rename.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import hashlib
+import json
+import os
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stepgraph import __version__
+from stepgraph.errors import ArtifactError
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.serialize import graph_from_json, graph_to_json
+
+FORMAT = "stepgraph-artifact"
+FORMAT_VERSION = 1
+
+
+def canonical_json(data: Any) -> bytes:
+    """Deterministic JSON bytes (sorted keys, compact separators, no NaN)."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def sha256(data: Any) -> str:
+    """Hex sha256 of the canonical JSON of ``data``."""
+    return hashlib.sha256(canonical_json(data)).hexdigest()
+
+
+def input_hash(spec: dict[str, Any], deployment: dict[str, Any], options: dict[str, Any],
+               tables: dict[str, Any]) -> str:
+    """The identity of a compilation's inputs (changes with any spec/deployment field)."""
+    return sha256({"spec": spec, "deployment": deployment, "options": options,
+                   "tables": tables, "compiler_version": __version__})
+
+
+@dataclass
+class Artifact:
+    """A loaded (or freshly compiled) artifact: its document and the graph it holds."""
+
+    document: dict[str, Any]
+    graph: Graph
+
+    @property
+    def hash(self) -> str:
+        """The content hash."""
+        return self.document["hash"]
+
+    @property
+    def deployment(self) -> dict[str, Any]:
+        """The deployment it was compiled for."""
+        return self.document["deployment"]
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The model spec it was compiled from."""
+        return self.document["spec"]
+
+
+def build_document(graph: Graph, spec: dict[str, Any], deployment: dict[str, Any],
+                   options: dict[str, Any], tables: dict[str, Any]) -> dict[str, Any]:
+    """The artifact document of a compiled graph, with both hashes filled in."""
+    document = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "compiler_version": __version__,
+        "spec": spec,
+        "deployment": deployment,
+        "options": options,
+        "tables": tables,
+        "input_hash": input_hash(spec, deployment, options, tables),
+        "graph": graph_to_json(graph),
+    }
+    document["hash"] = sha256(document)
+    return document
+
+
+def encode(document: dict[str, Any]) -> bytes:
+    """The file bytes of a document (deterministic)."""
+    return gzip.compress(canonical_json(document), compresslevel=6, mtime=0)
+
+
+def write_artifact(document: dict[str, Any], path: str | Path) -> None:
+    """Write atomically: no partial file is left if the process dies midway."""
+    path = Path(path)
+    data = encode(document)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ArtifactError(f"{path}: folder {folder} does not exist")
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        raise
+
+
+def read_document(path: str | Path) -> dict[str, Any]:
+    """Read and check an artifact file: format, version, compiler version and hash."""
+    path = Path(path)
+    recompile = "recompile it with `stepgraph compile`"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: no such artifact") from None
+    except IsADirectoryError:
+        raise ArtifactError(f"{path}: is a folder, not an artifact") from None
+    try:
+        document = json.loads(gzip.decompress(raw))
+    except (OSError, EOFError, zlib.error, ValueError, UnicodeDecodeError):
+        raise ArtifactError(
+            f"{path}: not a stepgraph artifact or corrupted ({recompile})"
+        ) from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise ArtifactError(f"{path}: not a stepgraph artifact ({recompile})")
+    version = document.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{path}: artifact format version {version}, this stepgraph reads version "
+            f"{FORMAT_VERSION}: {recompile}"
+        )
+    compiler = document.get("compiler_version")
+    if compiler != __version__:
+        raise ArtifactError(
+            f"{path}: compiled by stepgraph {compiler}, this is stepgraph {__version__}: "
+            f"{recompile}"
+        )
+    stored = document.pop("hash", None)
+    if stored != sha256(document):
+        raise ArtifactError(
+            f"{path}: content hash mismatch (the file was modified or corrupted): {recompile}"
+        )
+    document["hash"] = stored
+    return document
+
+
+def load_artifact(path: str | Path) -> Artifact:
+    """Read, check and rebuild the graph of an artifact file."""
+    document = read_document(path)
+    try:
+        graph = graph_from_json(document["graph"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ArtifactError(f"{path}: malformed graph section ({error})") from None
+    return Artifact(document, graph)

@@ -1,0 +1,60 @@
+"""The ``stepgraph`` command line: one subcommand per module in :mod:`stepgraph.commands`.
+
+User errors print ``error: <one line>`` on stderr and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from stepgraph import __version__
+from stepgraph.errors import UserError
+
+COMMANDS = ("compile", "inspect", "dump", "schema", "run", "import_hf", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand."""
+    parser = _Parser(prog="stepgraph", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"stepgraph {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"stepgraph.commands.{name}")
+        except ModuleNotFoundError as error:
+            if error.name != f"stepgraph.commands.{name}":
+                raise
+            continue
+        command = module.add_parser(sub)
+        command.set_defaults(handler=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

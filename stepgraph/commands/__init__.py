@@ -1,0 +1,1 @@
+"""Subcommands of the ``stepgraph`` CLI: each module has ``add_parser(sub)`` and ``run(args)``."""

@@ -1,0 +1,57 @@
+"""Flags and helpers shared by the subcommands that compile a spec."""
+
+from __future__ import annotations
+
+import argparse
+
+from stepgraph.errors import UserError
+from stepgraph.spec import Deployment, Spec
+from stepgraph.spec_loader import load_spec, override_deployment
+
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    """``"1,2,4"`` -> (1, 2, 4); a one-line error naming ``flag`` otherwise."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UserError(f"{flag} {text!r}: expected comma-separated integers, e.g. 1,2,4") from None
+    if not values:
+        raise UserError(f"{flag}: give at least one integer")
+    return values
+
+
+def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
+    """--tp, --dcp, --dep, --batches, --q, --target (override the spec's deployment)."""
+    group = parser.add_argument_group("deployment (overrides the spec's `deployment:`)")
+    group.add_argument("--tp", type=int, help="tensor-parallel ranks")
+    group.add_argument("--dcp", type=int, help="decode-context-parallel ranks (= tp)")
+    group.add_argument("--dep", type=int, help="DEP: data-parallel attention, EP experts")
+    group.add_argument("--batches", help="row bins, e.g. 1,2,4,8,16,32,64")
+    group.add_argument("--q", type=int, help="tokens per request in a verify step")
+    group.add_argument("--target", help="target GPU (h200, h100, b200, cpu)")
+
+
+def add_option_flags(parser: argparse.ArgumentParser) -> None:
+    """--no-pdl, --no-pack (ablations)."""
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="turn the PDL + prefetch pass off (ablation)")
+    parser.add_argument("--no-pack", action="store_true",
+                        help="keep projections unpacked (ablation)")
+
+
+def options_from(args: argparse.Namespace):  # -> CompileOptions (lazy import)
+    """The compile options the flags ask for."""
+    from stepgraph.passes.pipeline import CompileOptions
+
+    return CompileOptions(pdl=not args.no_pdl, pack=not args.no_pack)
+
+
+def spec_and_deployment(args: argparse.Namespace) -> tuple[Spec, Deployment]:
+    """Load the spec and apply the deployment flags."""
+    spec = load_spec(args.spec)
+    batches = parse_int_list(args.batches, "--batches") if args.batches else None
+    deployment = override_deployment(
+        spec.deployment, tp=args.tp, dcp=args.dcp, dep=args.dep, batches=batches, q=args.q,
+        target=args.target,
+    )
+    return spec, deployment

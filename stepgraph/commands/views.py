@@ -1,0 +1,174 @@
+"""What ``inspect`` and ``dump`` print: the summary of a compiled step and the graph forms."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.nodes import Node
+from stepgraph.ir.ops import OPS
+from stepgraph.ir.printer import format_graph, graph_to_dot, graph_to_mermaid
+from stepgraph.ir.serialize import graph_to_json
+from stepgraph.ir.types import Storage
+
+
+def human_bytes(count: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError
+
+
+def render_graph(graph: Graph, form: str, layers: list[int] | None,
+                 annotate: Any = None) -> str:
+    """The graph in ``form`` (text, json, dot, mermaid), optionally only some layers."""
+    chosen = set(layers) if layers else None
+    if chosen is not None:
+        missing = chosen - set(graph.layers())
+        if missing:
+            from stepgraph.errors import UserError
+
+            raise UserError(f"--layer {sorted(missing)[0]}: the model has layers "
+                            f"0..{max(graph.layers())}")
+    if form == "text":
+        return format_graph(graph, chosen, annotate=annotate)
+    if form == "dot":
+        return graph_to_dot(graph, chosen)
+    if form == "mermaid":
+        return graph_to_mermaid(graph, chosen)
+    return json.dumps(graph_to_json(graph), indent=1, sort_keys=True)
+
+
+def weight_rows(graph: Graph) -> list[dict[str, Any]]:
+    """Every weight with its per-rank shape, dtype and bytes."""
+    rows = []
+    for value in graph.values_of(Storage.WEIGHT):
+        item: dict[str, Any] = {
+            "name": value.name,
+            "shape": list(value.type.shape),
+            "dtype": value.type.dtype,
+            "bytes": value.type.nbytes(1),
+            "layout": value.layout,
+        }
+        if value.split is not None:
+            item["split"] = {"group": value.split.group, "dim": value.split.dim,
+                             "ways": value.split.ways}
+        if len(value.segments) > 1:
+            item["segments"] = [{"name": s.name, "rows": s.rows, "offset": s.offset,
+                                 "source": s.source} for s in value.segments]
+        rows.append(item)
+    return rows
+
+
+def bin_rows(graph: Graph) -> list[dict[str, Any]]:
+    """Every bin with its rows, requests and memory plan figures."""
+    memory = graph.meta.get("memory", {}).get("bins", {})
+    bins = graph.meta.get("bins") or [{"rows": r} for r in graph.meta["deployment"]["batches"]]
+    result = []
+    for entry in bins:
+        rows = entry["rows"]
+        plan = memory.get(str(rows), {})
+        item = {"rows": rows, "requests": entry.get("requests", rows)}
+        if plan:
+            item["memory"] = {
+                "arena_bytes": plan["arena_bytes"],
+                "lower_bound_bytes": plan["lower_bound_bytes"],
+                "naive_bytes": plan["naive_bytes"],
+            }
+        for key in ("path", "reason"):
+            if key in entry:
+                item[key] = entry[key]
+        result.append(item)
+    return result
+
+
+def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
+    """The machine-readable summary (``inspect --format json``)."""
+    layers = graph.meta.get("layers", [])
+    weights = weight_rows(graph)
+    temps = graph.values_of(Storage.TEMP)
+    ops = Counter(node.op for node in graph)
+    collectives = {op: n for op, n in ops.items() if OPS[op].category == "collective"}
+    deployment = document["deployment"]
+    return {
+        "format_version": document["format_version"],
+        "compiler_version": document["compiler_version"],
+        "hash": document["hash"],
+        "input_hash": document["input_hash"],
+        "model": {k: document["spec"][k] for k in ("name", "hidden_size", "vocab_size", "dtype")},
+        "deployment": deployment,
+        "world": graph.meta.get("world", 1),
+        "layers": layers,
+        "layer_counts": {
+            "attention": dict(sorted(Counter(x["attention"] for x in layers).items())),
+            "mlp": dict(sorted(Counter(x["mlp"] for x in layers).items())),
+        },
+        "launches": len(graph),
+        "ops": dict(sorted(ops.items())),
+        "collectives": dict(sorted(collectives.items())),
+        "weights": weights,
+        "weight_bytes_per_rank": sum(w["bytes"] for w in weights),
+        "temps": {"count": len(temps), "views": sum(v.view is not None for v in temps)},
+        "states": [{"name": v.name, "shape": list(v.type.shape), "dtype": v.type.dtype}
+                   for v in graph.values_of(Storage.STATE)],
+        "bins": bin_rows(graph),
+        "caps": graph.meta.get("caps", {}),
+    }
+
+
+def summary_text(data: dict[str, Any], path: str) -> str:
+    """The human summary printed before the graph."""
+    d = data["deployment"]
+    counts = data["layer_counts"]
+    attention = " + ".join(f"{n} {k}" for k, n in counts["attention"].items())
+    mlp = " + ".join(f"{n} {k}" for k, n in counts["mlp"].items())
+    model = data["model"]
+    lines = [
+        f"artifact   {path}  hash {data['hash'][:16]}  stepgraph {data['compiler_version']}",
+        f"model      {model['name']}: {len(data['layers'])} layers, hidden {model['hidden_size']},"
+        f" vocab {model['vocab_size']}, {model['dtype']}",
+        f"layers     attention {attention}; mlp {mlp}",
+        f"deployment tp={d['tp']} dcp={d['dcp']} dep={d['dep']} (world {data['world']}), "
+        f"q={d['q']}, bins {','.join(map(str, d['batches']))}, target {d['target']}",
+        f"launches   {data['launches']}: "
+        + ", ".join(f"{n} {op}" for op, n in sorted(data["ops"].items(), key=lambda x: -x[1])),
+        f"weights    {human_bytes(data['weight_bytes_per_rank'])} per rank in "
+        f"{len(data['weights'])} tensors",
+    ]
+    biggest = sorted(data["weights"], key=lambda w: -w["bytes"])[:4]
+    for weight in biggest:
+        shape = " x ".join(map(str, weight["shape"]))
+        lines.append(f"             {weight['name']}  {shape}  {weight['dtype']}  "
+                     f"{human_bytes(weight['bytes'])}")
+    lines.append(f"temps      {data['temps']['count']} ({data['temps']['views']} views); "
+                 f"states {len(data['states'])}")
+    if data["caps"]:
+        lines.append("caps       " + ", ".join(f"{k} {v}" for k, v in data["caps"].items()))
+    planned = [b for b in data["bins"] if "memory" in b]
+    if planned:
+        lines.append("memory     rows    arena      lower bound  naive      arena/lb")
+        for entry in planned:
+            m = entry["memory"]
+            ratio = m["arena_bytes"] / m["lower_bound_bytes"] if m["lower_bound_bytes"] else 1.0
+            lines.append(f"           {entry['rows']:<6}  {human_bytes(m['arena_bytes']):<10} "
+                         f"{human_bytes(m['lower_bound_bytes']):<12} "
+                         f"{human_bytes(m['naive_bytes']):<10} {ratio:.3f}")
+    return "\n".join(lines)
+
+
+def decision_note(graph: Graph, rows: int):
+    """An annotate callback: each node's provider/tactic at ``rows`` rows."""
+    decisions = graph.meta.get("decisions", {})
+
+    def note(node: Node) -> str:
+        entry = decisions.get(node.name, {}).get(str(rows))
+        if not entry:
+            return ""
+        tactic = entry.get("tactic")
+        return f"{entry['provider']}" + (f" {tactic}" if tactic not in (None, "") else "")
+
+    return note

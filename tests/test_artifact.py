@@ -1,0 +1,142 @@
+"""The artifact: byte-identical for identical inputs, hash sensitive to every input, tampered or
+older files refused, written atomically."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from stepgraph import artifact as artifact_module
+from stepgraph.artifact import encode, load_artifact, write_artifact
+from stepgraph.compiler import compile_document
+from stepgraph.errors import ArtifactError
+from stepgraph.spec import Spec
+from stepgraph.spec_loader import load_spec, override_deployment
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Spec:
+    return load_spec(Path(__file__).resolve().parent.parent / "models" / "tiny_k3.yaml")
+
+
+def _compile(spec: Spec, **deployment: object) -> dict:
+    document, _ = compile_document(spec, override_deployment(spec.deployment, **deployment))
+    return document
+
+
+def test_identical_inputs_identical_bytes(tiny: Spec, tmp_path: Path) -> None:
+    first, second = tmp_path / "a.sgart", tmp_path / "b.sgart"
+    write_artifact(_compile(tiny), first)
+    write_artifact(_compile(tiny), second)
+    assert first.read_bytes() == second.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"tp": 2}, {"batches": (1, 2)}, {"q": 2, "batches": (2, 4)}, {"target": "h100"},
+     {"dep": 2}],
+)
+def test_deployment_fields_change_the_hash(tiny: Spec, change: dict) -> None:
+    assert _compile(tiny)["input_hash"] != _compile(tiny, **change)["input_hash"]
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("hidden_size: 64", "hidden_size: 128"), ("beta: 4.0", "beta: 3.0"),
+     ("block_size: 2", "block_size: 3"), ("top_k: 2", "top_k: 3"),
+     ("norm_eps: 1.0e-5", "norm_eps: 1.0e-6")],
+)
+def test_spec_fields_change_the_hash(tiny: Spec, old: str, new: str) -> None:
+    from stepgraph.spec_loader import parse_spec_text
+
+    path = Path(__file__).resolve().parent.parent / "models" / "tiny_k3.yaml"
+    text = path.read_text()
+    assert old in text
+    changed = parse_spec_text(text.replace(old, new, 1))
+    assert _compile(tiny)["hash"] != _compile(changed)["hash"]
+    assert _compile(tiny)["input_hash"] != _compile(changed)["input_hash"]
+
+
+def test_round_trip(tiny: Spec, tmp_path: Path) -> None:
+    path = tmp_path / "t.sgart"
+    document = _compile(tiny)
+    write_artifact(document, path)
+    loaded = load_artifact(path)
+    assert loaded.hash == document["hash"]
+    assert len(loaded.graph) == len(document["graph"]["nodes"])
+
+
+def _rewrite(path: Path, edit) -> None:
+    document = json.loads(gzip.decompress(path.read_bytes()))
+    edit(document)
+    path.write_bytes(gzip.compress(json.dumps(document).encode()))
+
+
+def test_tampered_artifact_is_refused(tiny: Spec, tmp_path: Path) -> None:
+    path = tmp_path / "t.sgart"
+    write_artifact(_compile(tiny), path)
+
+    def edit(document: dict) -> None:
+        document["deployment"]["tp"] = 4
+
+    _rewrite(path, edit)
+    with pytest.raises(ArtifactError, match="content hash mismatch.*recompile"):
+        load_artifact(path)
+
+
+def test_older_format_is_refused(tiny: Spec, tmp_path: Path) -> None:
+    path = tmp_path / "t.sgart"
+    write_artifact(_compile(tiny), path)
+
+    def edit(document: dict) -> None:
+        document["format_version"] = 0
+
+    _rewrite(path, edit)
+    with pytest.raises(ArtifactError, match="format version 0, this stepgraph reads version 1"):
+        load_artifact(path)
+
+
+def test_other_compiler_version_is_refused(tiny: Spec, tmp_path: Path) -> None:
+    path = tmp_path / "t.sgart"
+    write_artifact(_compile(tiny), path)
+
+    def edit(document: dict) -> None:
+        document["compiler_version"] = "0.0.1"
+
+    _rewrite(path, edit)
+    with pytest.raises(ArtifactError, match="compiled by stepgraph 0.0.1"):
+        load_artifact(path)
+
+
+def test_garbage_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "junk.sgart"
+    path.write_bytes(b"not gzip at all")
+    with pytest.raises(ArtifactError, match="not a stepgraph artifact"):
+        load_artifact(path)
+    with pytest.raises(ArtifactError, match="no such artifact"):
+        load_artifact(tmp_path / "missing.sgart")
+
+
+def test_atomic_write_leaves_no_partial_file(tiny: Spec, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.sgart"
+    write_artifact(_compile(tiny), path)
+    before = path.read_bytes()
+
+    def crash(fd: int) -> None:
+        raise OSError("disk died")
+
+    monkeypatch.setattr(artifact_module.os, "fsync", crash)
+    with pytest.raises(OSError, match="disk died"):
+        write_artifact(_compile(tiny, tp=2), path)
+    assert path.read_bytes() == before  # the old file is intact
+    assert sorted(os.listdir(tmp_path)) == ["t.sgart"]  # no temporary left behind
+
+
+def test_encoding_is_deterministic(tiny: Spec) -> None:
+    document = _compile(tiny)
+    assert encode(document) == encode(json.loads(json.dumps(document)))

@@ -1,0 +1,185 @@
+"""The CLI as a user meets it: compile K3, inspect it, and one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+K3 = "models/kimi_k3.yaml"
+TINY = "models/tiny_k3.yaml"
+
+
+@pytest.fixture(scope="module")
+def k3_tp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("k3") / "k3-tp8.sgart"
+    result = run_cli("compile", K3, "--tp", "8", "-o", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout
+    return path
+
+
+@pytest.fixture(scope="module")
+def k3_tp1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("k3") / "k3-tp1.sgart"
+    result = run_cli("compile", K3, "-o", str(path))
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+def test_compile_path_never_imports_torch(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from stepgraph.cli import main\n"
+        f"assert main(['compile', {K3!r}, '--tp', '8', '-o', {str(tmp_path / 'a.sgart')!r}]) == 0\n"
+        f"assert main(['inspect', {str(tmp_path / 'a.sgart')!r}, '--summary']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('NO_TORCH')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "NO_TORCH" in result.stdout
+
+
+def test_inspect_json_counts_and_tp1_shapes(k3_tp1: Path) -> None:
+    result = run_cli("inspect", str(k3_tp1), "--format", "json", "--summary")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    layers = data["layers"]
+    assert len(layers) == 93
+    assert sum(x["attention"] == "kda" for x in layers) == 69
+    assert sum(x["attention"] == "mla" for x in layers) == 24
+    assert [x["index"] for x in layers if x["mlp"] == "dense"] == [0]
+    assert sum(x["mlp"] == "moe" for x in layers) == 92
+    weights = {w["name"]: w for w in data["weights"]}
+    in_proj = weights["layers.1.self_attn.in_proj_qkvgfab"]
+    assert in_proj["shape"] == [49376, 7168]
+    assert in_proj["dtype"] == "bfloat16" and in_proj["bytes"] == 49376 * 7168 * 2
+    assert weights["layers.1.self_attn.o_proj"]["shape"] == [7168, 12288]
+    assert {b["rows"] for b in data["bins"]} == {1, 2, 4, 8, 16, 32, 64}
+    for entry in data["bins"]:
+        memory = entry["memory"]
+        assert memory["lower_bound_bytes"] <= memory["arena_bytes"] <= memory["naive_bytes"]
+
+
+def test_inspect_text_summary(k3_tp1: Path) -> None:
+    result = run_cli("inspect", str(k3_tp1), "--layer", "3")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "attention 69 kda + 24 mla; mlp 1 dense + 92 moe" in out
+    assert "layers.3.self_attn" in out and "// layer 3: attention" in out
+    assert "// layer 4:" not in out
+
+
+def test_inspect_tp8_per_rank_shapes(k3_tp8: Path) -> None:
+    data = json.loads(run_cli("inspect", str(k3_tp8), "--format", "json", "--summary").stdout)
+    weights = {w["name"]: w["shape"] for w in data["weights"]}
+    assert weights["layers.1.self_attn.in_proj_qkvgfab"] == [6288, 7168]
+    assert weights["layers.1.self_attn.o_proj"] == [7168, 1536]
+    assert data["world"] == 8
+
+
+@pytest.mark.parametrize("form", ["dot", "mermaid"])
+def test_inspect_graph_forms(k3_tp8: Path, form: str) -> None:
+    result = run_cli("inspect", str(k3_tp8), "--format", form, "--layer", "3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("digraph" if form == "dot" else "flowchart")
+
+
+def test_schema_command() -> None:
+    result = run_cli("schema")
+    assert result.returncode == 0
+    assert json.loads(result.stdout)["title"] == "Spec"
+
+
+def _error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+def test_error_missing_spec(tmp_path: Path) -> None:
+    line = _error(run_cli("compile", "nope.yaml", "-o", str(tmp_path / "x")))
+    assert line == "error: nope.yaml: no such spec file"
+
+
+def test_error_unknown_key_has_line(tmp_path: Path) -> None:
+    text = (ROOT / TINY).read_text().replace("  hidden_size: 64\n", "  hidden_size: 64\n  foo: 1\n")
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text)
+    line_no = text.splitlines().index("  foo: 1") + 1
+    line = _error(run_cli("compile", str(spec), "-o", str(tmp_path / "x")))
+    assert line.startswith(f"error: {spec}:{line_no}: model.foo: unknown key")
+    assert not (tmp_path / "x").exists()
+
+
+def test_error_heads_not_divisible(tmp_path: Path) -> None:
+    out = tmp_path / "x.sgart"
+    line = _error(run_cli("compile", K3, "--tp", "7", "-o", str(out)))
+    assert "tp=7" in line and "96" in line and "heads" in line
+    assert not out.exists()
+
+
+def test_error_dcp_without_tp(tmp_path: Path) -> None:
+    line = _error(run_cli("compile", K3, "--dcp", "8", "-o", str(tmp_path / "x")))
+    assert "dcp" in line
+
+
+def test_error_bad_batches(tmp_path: Path) -> None:
+    line = _error(run_cli("compile", TINY, "--batches", "1,two", "-o", str(tmp_path / "x")))
+    assert "--batches" in line
+
+
+def test_error_bad_flag_value(tmp_path: Path) -> None:
+    line = _error(run_cli("compile", TINY, "--tp", "x", "-o", str(tmp_path / "x")))
+    assert "--tp" in line
+
+
+def test_error_missing_output_folder(tmp_path: Path) -> None:
+    line = _error(run_cli("compile", TINY, "-o", str(tmp_path / "no" / "x.sgart")))
+    assert "does not exist" in line
+
+
+def test_error_bad_artifact(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.sgart"
+    junk.write_text("hello")
+    assert "not a stepgraph artifact" in _error(run_cli("inspect", str(junk)))
+
+
+def test_error_bad_layer_and_bin(k3_tp8: Path) -> None:
+    assert "--layer 93" in _error(run_cli("inspect", str(k3_tp8), "--layer", "93"))
+    assert "--bin 3" in _error(run_cli("inspect", str(k3_tp8), "--bin", "3", "--memory"))
+
+
+def test_error_unknown_pass(tmp_path: Path) -> None:
+    line = _error(run_cli("compile", TINY, "-o", str(tmp_path / "x"), "--dump-after", "nope",
+                          str(tmp_path)))
+    assert "no such pass" in line
+    line = _error(run_cli("dump", TINY, "--after", "nope"))
+    assert "no such pass" in line
+
+
+def test_dump_after_all(tmp_path: Path) -> None:
+    result = run_cli("compile", TINY, "--tp", "2", "-o", str(tmp_path / "t.sgart"),
+                     "--dump-after", "all", str(tmp_path / "dump"), "--verbose")
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.name for p in (tmp_path / "dump").iterdir())
+    assert names == ["00-frontend.txt", "01-shard.txt", "02-pack.txt", "03-bin.txt",
+                     "04-schedule.txt", "05-pdl.txt", "06-alias.txt"]
+    assert "shard" in result.stderr and " ms " in result.stderr
+    sharded = (tmp_path / "dump" / "01-shard.txt").read_text()
+    assert "all_reduce" in sharded
+
+
+def test_dump_command_prints_ir() -> None:
+    result = run_cli("dump", TINY, "--after", "pack", "--layer", "1")
+    assert result.returncode == 0, result.stderr
+    assert "in_proj_qkvgfab" in result.stdout

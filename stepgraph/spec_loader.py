@@ -1,4 +1,4 @@
-"""Read a spec file: YAML -> :class:`stepgraph.spec.Spec`, with errors that name file, line and key."""
+"""Read a spec file: YAML -> :class:`stepgraph.spec.Spec`; errors name file, line and key."""
 
 from __future__ import annotations
 

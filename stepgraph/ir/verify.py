@@ -72,10 +72,6 @@ def _check_program(graph: Graph) -> None:
                 root not in written
             ):
                 _fail(f"reads {name} before anything writes it", node.name)
-            if value.storage is Storage.STATE and name not in node.updates and (
-                value.owner != node.name
-            ):
-                pass  # reading another node's state is allowed
         for name in node.updates:
             value = graph.values.get(name)
             if value is None or value.storage is not Storage.STATE:
@@ -131,11 +127,11 @@ def _check_placements(graph: Graph) -> None:
         for name in node.inputs:
             value = graph.values[name]
             split = value.split
-            if split is not None and (split.group, split.ways) != (placement.group,
-                                                                   placement.ways):
-                # A weight split over another group than its node's is inconsistent.
-                if value.storage is Storage.WEIGHT:
-                    _fail(f"weight {name} is split over {split.group}{split.ways} but the node "
+            mismatched = split is not None and (split.group, split.ways) != (
+                placement.group, placement.ways)
+            if mismatched and value.storage is Storage.WEIGHT:
+                assert split is not None
+                _fail(f"weight {name} is split over {split.group}{split.ways} but the node "
                           f"runs {placement}", node.name)
 
 

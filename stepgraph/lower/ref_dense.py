@@ -1,0 +1,149 @@
+"""Reference ops of the dense units: embed, norms, residual adds, the AttnRes mix,
+projections, the MoE router and experts, gated MLPs, lm_head and the collectives of a world
+of one (identities)."""
+
+from __future__ import annotations
+
+import torch
+
+from stepgraph.errors import UserError
+from stepgraph.lower.ref_common import OpCall, OpFn, gated_activation, linear, rms_norm
+
+
+def embed(call: OpCall) -> list[torch.Tensor]:
+    """Rows of the embedding table for the step's token ids."""
+    tokens, table = call.ins
+    return [table[tokens.long()].to(call.out_dtypes[0])]
+
+
+def rmsnorm(call: OpCall) -> list[torch.Tensor]:
+    """RMSNorm over the last dim."""
+    x, weight = call.ins
+    return [rms_norm(x, weight, call.attrs["eps"]).to(call.out_dtypes[0])]
+
+
+def add(call: OpCall) -> list[torch.Tensor]:
+    """Elementwise sum of the operands."""
+    total = call.ins[0]
+    for other in call.ins[1:]:
+        total = total + other
+    return [total.to(call.out_dtypes[0])]
+
+
+def attn_res_mix(call: OpCall) -> list[torch.Tensor]:
+    """AttnRes: logit_i = sum_d (norm_d * query_d) * RMSNorm(v_i)_d; softmax over the sources;
+    the output is the softmax-weighted sum of the raw source values (all in float32)."""
+    count = call.attrs["sources"]
+    sources = torch.stack([s.float() for s in call.ins[:count]], dim=1)  # [R, n, H]
+    query, norm = call.ins[count], call.ins[count + 1]
+    keys = sources * torch.rsqrt(sources.pow(2).mean(-1, keepdim=True) + call.attrs["eps"])
+    logits = (keys * (norm.float() * query.float())).sum(-1)  # [R, n]
+    probs = logits.softmax(-1)
+    mixed = torch.matmul(probs.unsqueeze(1), sources).squeeze(1)
+    return [mixed.to(call.out_dtypes[0])]
+
+
+def projection(call: OpCall) -> list[torch.Tensor]:
+    """``x @ W.T`` (also o_proj and lm_head)."""
+    x, weight = call.ins
+    return [linear(x, weight, call.out_dtypes[0])]
+
+
+def router(call: OpCall) -> list[torch.Tensor]:
+    """Top-k routing: sigmoid or softmax scores; the correction bias enters the selection
+    only; the selected (unbiased) scores are renormalised and scaled."""
+    attrs = call.attrs
+    logits = call.ins[0].float()
+    scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
+    choice = scores
+    if attrs.get("correction_bias"):
+        choice = scores + call.ins[1].float()
+    ids = torch.topk(choice, k=attrs["top_k"], dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if attrs.get("renormalize"):
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    weights = weights * float(attrs.get("scaling_factor", 1.0))
+    return [ids.to(torch.int32), weights.to(call.out_dtypes[1])]
+
+
+def routed_experts(call: OpCall) -> list[torch.Tensor]:
+    """Each row's top-k experts (those held here: ids in [offset, offset + local)):
+    ``down(act(gate, up))`` weighted by the router weight, summed. Experts run in ascending id
+    with their rows gathered, and accumulate with ``index_add_`` (the order HF uses)."""
+    x, ids, weights, gate_up, down = call.ins
+    attrs = call.attrs
+    offset, local, width = attrs["expert_offset"], attrs["local_experts"], attrs["width"]
+    out = torch.zeros(x.shape, dtype=call.out_dtypes[0], device=x.device)
+    local_ids = ids.long() - offset
+    for expert in torch.unique(local_ids).tolist():
+        if not 0 <= expert < local:
+            continue
+        rows, slot = torch.where(local_ids == expert)
+        h = linear(x[rows], gate_up[expert], x.dtype)
+        act = gated_activation(h[:, :width], h[:, width:], attrs)
+        y = linear(act, down[expert], act.dtype)
+        y = y * weights[rows, slot, None]
+        out.index_add_(0, rows, y.to(out.dtype))
+    return [out]
+
+
+def gated_mlp(call: OpCall) -> list[torch.Tensor]:
+    """A gated MLP (dense layer or shared expert) over a [gate | up] weight."""
+    x, gate_up, down = call.ins
+    width = call.attrs["width"]
+    h = linear(x, gate_up, call.out_dtypes[0])
+    act = gated_activation(h[:, :width], h[:, width:], call.attrs)
+    return [linear(act, down, call.out_dtypes[0])]
+
+
+def _one_way(call: OpCall) -> None:
+    ways = call.attrs.get("ways", 1)
+    if ways != 1:
+        raise UserError(f"node {call.node.name}: {call.node.op} over {ways} ranks; the reference "
+                        "executor runs a world of one")
+
+
+def identity_collective(call: OpCall) -> list[torch.Tensor]:
+    """all_reduce / all_gather / reduce_scatter / dcp_gather / ep_combine over one rank."""
+    _one_way(call)
+    return [call.ins[0].to(call.out_dtypes[0])]
+
+
+def lse_merge(call: OpCall) -> list[torch.Tensor]:
+    """Merging the partial attention of one rank is the partial itself."""
+    _one_way(call)
+    return [call.ins[0].to(call.out_dtypes[0])]
+
+
+def ep_dispatch(call: OpCall) -> list[torch.Tensor]:
+    """Dispatch to a single expert-parallel rank sends every row to itself."""
+    _one_way(call)
+    return [t.to(d) for t, d in zip(call.ins, call.out_dtypes, strict=True)]
+
+
+def prefetch(call: OpCall) -> list[torch.Tensor]:
+    """An L2 prefetch has no numerical effect."""
+    return []
+
+
+OPS: dict[str, OpFn] = {
+    "embed": embed,
+    "rmsnorm": rmsnorm,
+    "add": add,
+    "attn_res_mix": attn_res_mix,
+    "projection": projection,
+    "o_proj": projection,
+    "lm_head": projection,
+    "router": router,
+    "routed_experts": routed_experts,
+    "shared_expert": gated_mlp,
+    "dense_mlp": gated_mlp,
+    "all_reduce": identity_collective,
+    "all_gather": identity_collective,
+    "reduce_scatter": identity_collective,
+    "dcp_gather": identity_collective,
+    "ep_combine": identity_collective,
+    "lse_merge": lse_merge,
+    "ep_dispatch": ep_dispatch,
+    "prefetch": prefetch,
+}

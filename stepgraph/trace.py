@@ -1,0 +1,189 @@
+"""A Chrome / Perfetto trace (``traceEvents`` JSON) of one bin's launch schedule.
+
+Track 1 holds one slice per launch in program order; track 2 the L2 prefetch forks (their
+own stream). Durations are ESTIMATES, not measurements: the bytes a launch moves divided by
+an assumed bandwidth from the tactic tables (HBM for compute and prefetches, the link for
+collectives), at least the tables' kernel (or collective) floor. A launch without PDL starts
+the tables' ``launch_gap_us`` after its predecessor ends; a PDL launch starts as it ends
+(the gap hidden). PDL edges are flow events (``cat`` ``pdl``); forks are flow events
+(``cat`` ``fork``) from the launch they follow to their prefetch slice.
+
+Bytes a launch moves: its weights (routed experts: the local experts expected to be touched
+under uniform routing), its row-sized operands at ``rows`` rows, the state slots it touches (read
+and written, one slot a request), and paged caches over ``context`` assumed tokens a request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from stepgraph.errors import UserError
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.nodes import Node
+from stepgraph.ir.types import Storage, TensorType
+from stepgraph.passes.bin import tables_for
+from stepgraph.passes.pdl import is_collective
+from stepgraph.tactics import TacticTables
+
+MAIN_TID, PREFETCH_TID, PID = 1, 2, 1
+
+
+def _row_bytes(t: TensorType, rows: int) -> int | None:
+    """Bytes of ``t`` at ``rows`` rows, None if a non-row symbol sizes it."""
+    try:
+        return t.nbytes(rows)
+    except KeyError:
+        return None
+
+
+def _state_bytes(t: TensorType, requests: int, context: int) -> int:
+    """Bytes of a state a launch touches: slot states (leading ``S``) one slot a request,
+    read and written; paged caches (``NB``, ``BS``) ``context`` tokens a request."""
+    shape = t.shape
+    if shape and shape[0] == "S":
+        per_slot = TensorType(shape[1:], t.dtype).nbytes(1) if len(shape) > 1 else t.itemsize
+        return 2 * requests * per_slot
+    if len(shape) >= 2 and shape[0] == "NB" and shape[1] == "BS":
+        per_token = TensorType(shape[2:], t.dtype).nbytes(1) if len(shape) > 2 else t.itemsize
+        return requests * context * per_token
+    return 0
+
+
+def _touched_fraction(graph: Graph, node: Node, rows: int) -> float:
+    """The expected fraction of a routed-experts node's local experts that ``rows`` rows touch
+    under uniform routing: 1 - (1 - 1/experts) ** routes, routes = rows x top_k (x the DEP
+    ranks, whose rows all reach every rank's experts)."""
+    experts = int(node.attrs.get("experts", 1))
+    dep = int(graph.meta.get("deployment", {}).get("dep", 1))
+    routes = rows * int(node.attrs.get("top_k", 1)) * max(dep, 1)
+    return 1.0 - (1.0 - 1.0 / max(experts, 1)) ** routes
+
+
+def launch_bytes(graph: Graph, node: Node, rows: int, requests: int, context: int) -> int:
+    """The estimated bytes ``node`` moves at ``rows`` rows (see the module docstring)."""
+    total = 0
+    expert_weights = set(node.inputs[3:]) if node.op == "routed_experts" else set()
+    for name in dict.fromkeys((*node.inputs, *node.outputs)):
+        value = graph.values[name]
+        t = value.type
+        if value.storage is Storage.WEIGHT:
+            size = value.nbytes_static
+            if node.op == "prefetch":
+                size = 0  # counted from the fork's own byte ranges below
+            elif name in expert_weights:
+                size = int(size * _touched_fraction(graph, node, rows))
+            total += size
+        elif value.storage is Storage.STATE:
+            total += _state_bytes(t, requests, context)
+        else:
+            size = _row_bytes(t, rows)
+            total += size or 0
+    if node.op == "prefetch":
+        total += int(node.attrs.get("bytes", 0))
+    return total
+
+
+def _duration_us(node: Node, moved: int, tables: TacticTables) -> tuple[float, str]:
+    hw = tables.hardware
+    if is_collective(node):
+        bandwidth, floor, what = hw.link_bytes_per_s, hw.collective_floor_us, "link"
+    else:
+        bandwidth, floor, what = hw.hbm_bytes_per_s, hw.kernel_floor_us, "HBM"
+    estimate = moved / bandwidth * 1e6
+    note = (f"ESTIMATE, not measured: max({moved} B / {bandwidth:.3g} B/s assumed {what} "
+            f"bandwidth, {floor} us floor) from {tables.label}")
+    return max(estimate, floor), note
+
+
+def chrome_trace(graph: Graph, rows: int, tables: TacticTables | None = None,
+                 context: int = 4096) -> dict[str, Any]:
+    """The trace of bin ``rows``: one slice per launch (main stream on track 1, prefetch forks
+    on track 2), PDL edges and forks as flow events. ``context``: assumed cached tokens a
+    request (paged-cache reads). A rows count that is not a compiled bin is a UserError."""
+    bins = graph.meta.get("bins")
+    q = int(graph.meta.get("deployment", {}).get("q", 1))
+    if bins:
+        known = [int(b["rows"]) for b in bins]
+        if rows not in known:
+            raise UserError(f"bin {rows} is not compiled; the bins are "
+                            f"{', '.join(map(str, known))}")
+    tables = tables if tables is not None else tables_for(graph, None)
+    hw = tables.hardware
+    requests = max(rows // q, 1)
+    decisions = graph.meta.get("decisions", {})
+    marks = graph.meta.get("pdl", {})
+    key = str(rows)
+
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": PID, "tid": 0,
+         "args": {"name": f"stepgraph {graph.name}: bin {rows} rows ({requests} requests)"}},
+        {"ph": "M", "name": "thread_name", "pid": PID, "tid": MAIN_TID,
+         "args": {"name": "launches (main stream)"}},
+        {"ph": "M", "name": "thread_name", "pid": PID, "tid": PREFETCH_TID,
+         "args": {"name": "L2 prefetch forks (side stream)"}},
+    ]
+    clock = 0.0  # end of the last main-stream launch, us
+    side_clock = 0.0  # end of the last prefetch
+    previous: dict[str, Any] | None = None
+    flow = 0
+    for node in graph:
+        moved = launch_bytes(graph, node, rows, requests, context)
+        duration, note = _duration_us(node, moved, tables)
+        choice = decisions.get(node.name, {}).get(key, {})
+        mark = marks.get(node.name, {})
+        uses_pdl = bool(mark.get("pdl")) and key not in mark.get("off_bins", {})
+        args: dict[str, Any] = {
+            "op": node.op, "layer": node.layer, "unit": node.unit,
+            "provider": choice.get("provider"), "tactic": choice.get("tactic"),
+            "decision": choice.get("reason"), "bytes": moved, "duration": note,
+            "pdl": uses_pdl,
+            "pdl_reason": mark.get("off_bins", {}).get(key, mark.get("reason")),
+            "pre_wait_bytes": mark.get("prefetch_bytes", 0) if uses_pdl else 0,
+        }
+        if node.op == "prefetch":
+            start = max(clock, side_clock)
+            side_clock = start + duration
+            args.update(fork=node.attrs.get("fork"), target=node.attrs.get("target"))
+            events.append({"ph": "X", "name": node.name, "cat": "prefetch", "pid": PID,
+                           "tid": PREFETCH_TID, "ts": round(start, 3),
+                           "dur": round(duration, 3), "args": args})
+            if previous is not None:
+                flow += 1
+                events.append({"ph": "s", "id": flow, "name": "fork", "cat": "fork",
+                               "pid": PID, "tid": MAIN_TID,
+                               "ts": round(previous["ts"] + previous["dur"] * 0.99, 3)})
+                events.append({"ph": "f", "bp": "e", "id": flow, "name": "fork",
+                               "cat": "fork", "pid": PID, "tid": PREFETCH_TID,
+                               "ts": round(start, 3)})
+            continue
+        start = clock if (uses_pdl or previous is None) else clock + hw.launch_gap_us
+        slice_ = {"ph": "X", "name": node.name, "cat": "launch", "pid": PID, "tid": MAIN_TID,
+                  "ts": round(start, 3), "dur": round(duration, 3), "args": args}
+        events.append(slice_)
+        if uses_pdl and previous is not None:
+            flow += 1
+            events.append({"ph": "s", "id": flow, "name": "pdl", "cat": "pdl", "pid": PID,
+                           "tid": MAIN_TID,
+                           "ts": round(previous["ts"] + previous["dur"] * 0.99, 3)})
+            events.append({"ph": "f", "bp": "e", "id": flow, "name": "pdl", "cat": "pdl",
+                           "pid": PID, "tid": MAIN_TID, "ts": round(start, 3)})
+        clock = start + duration
+        previous = slice_
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ns",
+        "otherData": {
+            "graph": graph.name, "rows": rows, "requests": requests, "context": context,
+            "tables": f"{tables.label} (sha256 {tables.digest[:12]})",
+            "note": "durations are estimates from assumed bandwidths, not measurements",
+            "estimated_step_us": round(max(clock, side_clock), 3),
+        },
+    }
+
+
+def trace_json(graph: Graph, rows: int, tables: TacticTables | None = None,
+               context: int = 4096) -> str:
+    """:func:`chrome_trace` as deterministic JSON text (for ``inspect --trace FILE``)."""
+    return json.dumps(chrome_trace(graph, rows, tables, context), indent=None,
+                      separators=(",", ":"), sort_keys=True)

@@ -1,0 +1,262 @@
+"""The bin pass and the tactic tables: the seeds' next-bin rule, the seeded H200 split-K
+tactics, caps and the step cap, a reason for every decision, digests, explain."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stepgraph.errors import UserError
+from stepgraph.frontend import build_step
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.nodes import Node
+from stepgraph.ir.types import Storage, TensorType
+from stepgraph.ir.values import Segment, Value, View
+from stepgraph.passes.bin import Bin, explain
+from stepgraph.passes.manager import CompileContext, run_pipeline
+from stepgraph.spec import Deployment
+from stepgraph.spec_loader import load_spec
+from stepgraph.tactics import TABLES_DIR, TacticsError, load_tables, next_bin
+from tests.conftest import MODELS
+
+H200 = TABLES_DIR / "h200.yaml"
+
+# The seeds' projection_policies (shared/seeds/000), evaluated by hand for each row count:
+# n = next bin of (8, 16, 32) else 64; the 6288-row (KDA TP8) branch and the generic one.
+SEEDS_KDA_TP8 = {1: (128, 8, 2, 6), 3: (128, 8, 2, 6), 8: (128, 8, 2, 6), 9: (128, 16, 2, 6),
+                 16: (128, 16, 2, 6), 17: (128, 32, 2, 5), 32: (128, 32, 2, 5),
+                 33: (64, 64, 1, 6), 64: (64, 64, 1, 6)}
+SEEDS_KDA_TP16 = {1: (64, 8, 4, 8), 8: (64, 8, 4, 8), 12: (64, 16, 2, 10), 32: (64, 32, 2, 8),
+                  40: (64, 64, 2, 6), 64: (64, 64, 2, 6)}
+SEEDS_MLA_TP8 = {2: (64, 8, 4, 8), 16: (64, 16, 2, 10), 24: (64, 32, 2, 8), 64: (64, 64, 2, 5)}
+
+
+def _spec(name: str):
+    return load_spec(MODELS / name)
+
+
+def _binned(name: str, tables=None, **deployment) -> Graph:
+    spec = _spec(name)
+    dep = spec.deployment.model_copy(update=deployment) if deployment else spec.deployment
+    ctx = CompileContext(spec.model, dep, {"tactics": tables} if tables else {})
+    graph, _ = run_pipeline(build_step(spec.model, dep), [Bin()], ctx)
+    return graph
+
+
+def _projection_graph(n: int, packed: bool, tp: int) -> Graph:
+    """x[B, 7168] @ W[n, 7168] as a one-node graph at per-rank shapes (a packed weight with
+    view outputs, as the pack pass leaves it, or a plain one)."""
+    g = Graph("proj")
+    g.add_value(Value("x", TensorType(("B", 7168), "bfloat16"), Storage.INPUT))
+    if packed:
+        first = n // 2
+        segments = (Segment("a", "w.a", first, 0), Segment("b", "w.b", n - first, first))
+    else:
+        segments = (Segment("w", "w", n, 0),)
+    g.add_value(Value("w", TensorType((n, 7168), "bfloat16"), Storage.WEIGHT, segments))
+    g.add_value(Value("y", TensorType(("B", n), "bfloat16"), Storage.OUTPUT))
+    if packed:
+        g.add_value(Value("y.a", TensorType(("B", n // 2), "bfloat16"), Storage.TEMP,
+                          view=View("y", 0, n // 2)))
+    g.add_node(Node("proj", "projection", ("x", "w"), ("y",)))
+    g.meta.update(groups={"tp": tp, "dcp": 1, "ep": 1}, layers=[])
+    return g
+
+
+def _decide(n: int, tp: int, rows: list[int], packed: bool = True) -> dict[int, dict]:
+    spec = _spec("kimi_k3.yaml")
+    ctx = CompileContext(spec.model, Deployment(batches=tuple(rows)))
+    graph = Bin().run(_projection_graph(n, packed, tp), ctx).graph
+    return {int(r): d for r, d in graph.meta["decisions"]["proj"].items()}
+
+
+def _tactic(decision: dict) -> tuple[int, ...]:
+    t = decision["tactic"]
+    return (t["m_tile"], t["n_tile"], t["split"], t["stages"])
+
+
+# ----------------------------------------------------------------------------- next-bin rule
+
+
+@pytest.mark.parametrize(("rows", "expected"), [(1, 8), (8, 8), (9, 16), (16, 16), (17, 32),
+                                                (33, 64), (64, 64), (65, 64), (1000, 64)])
+def test_next_bin_is_the_smallest_holding_bin_else_the_largest(rows: int, expected: int) -> None:
+    assert next_bin(rows, (64, 8, 32, 16)) == expected
+
+
+def test_kda_tp8_projection_uses_the_seeds_tactics_at_every_row_count() -> None:
+    decisions = _decide(6288, 8, list(SEEDS_KDA_TP8))
+    for rows, expected in SEEDS_KDA_TP8.items():
+        assert decisions[rows]["provider"] == "splitk"
+        assert _tactic(decisions[rows]) == expected, rows
+        assert "projection#0" in decisions[rows]["reason"]
+        assert "seeds 000" in decisions[rows]["reason"]
+
+
+def test_kda_tp16_and_mla_tp8_use_the_generic_branch_with_their_last_stage() -> None:
+    for rows, expected in _decide(3216, 16, list(SEEDS_KDA_TP16)).items():
+        assert _tactic(expected) == SEEDS_KDA_TP16[rows]
+    for rows, expected in _decide(3648, 8, list(SEEDS_MLA_TP8)).items():
+        assert _tactic(expected) == SEEDS_MLA_TP8[rows]
+
+
+def test_lookup_ignores_packing_but_not_the_tp_degree() -> None:
+    assert _decide(6288, 8, [4], packed=True) == _decide(6288, 8, [4], packed=False)
+    other = _decide(6288, 16, [4])[4]
+    assert other["provider"] == "cublas" and other["tactic"] == {}
+    assert "no projection row" in other["reason"] and "default cublas" in other["reason"]
+
+
+def test_untabled_projection_defaults_to_cublas_with_its_reason() -> None:
+    decision = _decide(100, 1, [2])[2]
+    assert decision["provider"] == "cublas"
+    assert "n=100 k=7168 tp=1" in decision["reason"]
+
+
+def test_k3_at_tp8_finds_the_seeded_row_for_the_packed_kda_projection() -> None:
+    from stepgraph.compiler import compile_graph
+
+    spec = _spec("kimi_k3.yaml")
+    graph, _ = compile_graph(spec, spec.deployment.model_copy(update={"tp": 8}),
+                             stop_after="bin")
+    names = [n.name for n in graph if n.layer == 4 and n.op == "projection"
+             and graph.values[n.inputs[1]].type.shape == (6288, 7168)]
+    assert len(names) == 1
+    decisions = graph.meta["decisions"][names[0]]
+    assert {int(r): _tactic(d) for r, d in decisions.items()} == {
+        1: (128, 8, 2, 6), 2: (128, 8, 2, 6), 4: (128, 8, 2, 6), 8: (128, 8, 2, 6),
+        16: (128, 16, 2, 6), 32: (128, 32, 2, 5), 64: (64, 64, 1, 6)}
+
+
+# ----------------------------------------------------------------------------- caps, bins
+
+
+def test_k3_caps_and_step_cap() -> None:
+    assert _binned("kimi_k3.yaml").meta["caps"] == {"kda": 64, "mla": 64, "moe": 64,
+                                                    "step": 64}
+    assert _binned("kimi_k3_1.yaml").meta["caps"] == {"dsa": 64, "kda": 64, "moe": 64,
+                                                      "step": 64}
+
+
+def _custom_tables(tmp_path: Path, **caps: int | None) -> object:
+    data = yaml.safe_load(H200.read_text())
+    for kind, rows in caps.items():
+        data["caps"][kind] = {"rows": rows, "source": "test"}
+    path = tmp_path / "h200.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_tables("h200", path)
+
+
+def test_bins_above_the_step_cap_take_the_stock_path_with_a_reason(tmp_path: Path) -> None:
+    tables = _custom_tables(tmp_path, kda=48, mla=32, moe=16)
+    graph = _binned("tiny_k3.yaml", tables, batches=(1, 16, 32, 64))
+    assert graph.meta["caps"] == {"kda": 48, "mla": 32, "moe": 16, "step": 32}
+    bins = {b["rows"]: b for b in graph.meta["bins"]}
+    assert sorted(bins) == [1, 16, 32, 64]  # recorded, not dropped
+    assert [r for r, b in bins.items() if b["path"] == "stock"] == [64]
+    assert "step cap 32" in bins[64]["reason"]
+    decisions = graph.meta["decisions"]
+    for node in graph:
+        stock = decisions[node.name]["64"]
+        assert stock["provider"] == "stock" and "step cap 32" in stock["reason"]
+    # 32 rows: within the step cap, above the moe cap: only the MoE layers' MLP nodes.
+    moe_layers = {e["index"] for e in graph.meta["layers"] if e["mlp"] == "moe"}
+    for node in graph:
+        at32 = decisions[node.name]["32"]
+        expect_stock = node.unit == "mlp" and node.layer in moe_layers
+        assert (at32["provider"] == "stock") == expect_stock, node.name
+        if expect_stock:
+            assert "moe cap 16" in at32["reason"]
+    assert decisions["l0.mlp_out"]["32"]["provider"] == "cublas"  # dense: no cap
+
+
+def test_every_node_and_bin_has_provider_tactic_and_reason() -> None:
+    graph = _binned("kimi_k3.yaml")
+    tables = load_tables("h200")
+    decisions = graph.meta["decisions"]
+    assert set(decisions) == {n.name for n in graph}
+    for node in graph:
+        assert set(decisions[node.name]) == {"1", "2", "4", "8", "16", "32", "64"}
+        for decision in decisions[node.name].values():
+            assert set(decision) == {"provider", "tactic", "reason"}
+            assert decision["provider"] in tables.providers(node.op)
+            assert "h200 tables h200-seeds-1" in decision["reason"]
+
+
+def test_verify_step_bins_count_requests_times_q() -> None:
+    graph = _binned("tiny_k3.yaml", batches=(2, 4, 8), q=2)
+    assert [(b["rows"], b["requests"]) for b in graph.meta["bins"]] == [(2, 1), (4, 2), (8, 4)]
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def test_digest_is_the_files_sha256_and_changes_with_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "h200.yaml"
+    shutil.copy(H200, path)
+    first = load_tables("h200", path)
+    assert first.digest == hashlib.sha256(H200.read_bytes()).hexdigest()
+    assert first.version == "h200-seeds-1"
+    path.write_text(path.read_text().replace("[128, 8, 2, 6]", "[128, 8, 2, 7]", 1))
+    second = load_tables("h200", path)
+    assert second.digest != first.digest
+    assert second.choose("projection", 1, 6288, 7168, 8).tactic["stages"] == 7
+    graph = _binned("tiny_k3.yaml", second)
+    assert graph.meta["tactics"]["digest"] == second.digest
+
+
+def test_targets_without_tables_use_the_default_file() -> None:
+    tables = load_tables("cpu")
+    assert tables.version == "default-1"
+    assert tables.path.endswith("default.yaml")
+    assert tables.choose("projection", 8, 6288, 7168, 8).provider == "torch"
+    assert tables.step_cap(["kda", "mla"]) is None
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d["ops"].pop("rmsnorm"), "ops without providers: rmsnorm"),
+    (lambda d: d["ops"]["add"].update(providers=["magic"]), "unknown provider 'magic'"),
+    (lambda d: d["tactics"]["projection"]["rows"][0]["bins"].update({8: [1, 2]}),
+     "2 numbers for fields"),
+    (lambda d: d["tactics"]["projection"]["rows"][0]["match"].update(heads=8),
+     "unknown match keys"),
+    (lambda d: d.update(colour="red"), "colour: unknown key"),
+])
+def test_malformed_tables_are_one_line_errors(tmp_path: Path, edit, message: str) -> None:
+    data = yaml.safe_load(H200.read_text())
+    edit(data)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(TacticsError) as error:
+        load_tables("h200", path)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+def test_explain_shows_tactic_reason_and_caps() -> None:
+    spec = _spec("kimi_k3.yaml")
+    ctx = CompileContext(spec.model, Deployment(batches=(1, 8, 64)))
+    graph = Bin().run(_projection_graph(6288, True, 8), ctx).graph
+    text = explain(graph, "proj")
+    assert "splitk m_tile=128 n_tile=8 split=2 stages=6" in text
+    assert "splitk m_tile=64 n_tile=64 split=1 stages=6" in text
+    assert "projection#0" in text and "packed[a 3144 | b 3144]" in text
+    k3 = _binned("kimi_k3.yaml")
+    text = explain(k3, "l4.router_logits")
+    assert "caps: kda 64, mla 64, moe 64; step 64" in text and "moe cap 64" in text
+    assert "bins 1, 2, 4, 8, 16, 32, 64 rows: cublas" in text
+
+
+def test_explain_unknown_node_suggests_close_names() -> None:
+    graph = _binned("tiny_k3.yaml")
+    with pytest.raises(UserError, match=r"did you mean .*l4\.kda_core"):
+        explain(graph, "l4.kda_cor")
+    with pytest.raises(UserError, match="no node named 'zzz'"):
+        explain(graph, "zzz")

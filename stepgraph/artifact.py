@@ -1,13 +1,16 @@
 """The compiled artifact: a versioned, deterministic, hash-checked file.
 
-Layout: gzip (mtime 0, so identical inputs give identical bytes) of canonical JSON (sorted
-keys, no spaces) with these top-level keys:
+Layout: gzip (mtime 0, so identical inputs give identical bytes) of two lines of canonical
+JSON (sorted keys, no spaces):
 
-``format`` ("stepgraph-artifact"), ``format_version``, ``compiler_version``, ``spec`` (the
-model), ``deployment``, ``options`` (compile options), ``tables`` (tactic tables' target,
-version and digest), ``input_hash`` (sha256 over spec, deployment, options, tables and
-compiler version: the identity of what was compiled), ``graph`` (values, nodes, meta) and
-``hash`` (sha256 over every other key: what :func:`load_artifact` checks).
+1. the header: ``format`` ("stepgraph-artifact"), ``format_version`` and ``hash`` (sha256 of
+   the body line's bytes: what :func:`load_artifact` checks before parsing the body);
+2. the body: ``format``, ``format_version``, ``compiler_version``, ``spec`` (the model),
+   ``deployment``, ``options`` (compile options), ``tables`` (tactic tables' target, version
+   and digest), ``input_hash`` (sha256 over spec, deployment, options, tables and compiler
+   version: the identity of what was compiled) and ``graph`` (values, nodes, meta).
+
+In memory a document is the body with ``hash`` added.
 
 Files are written atomically: a temporary file in the same folder, fsync, then rename.
 """
@@ -76,7 +79,7 @@ class Artifact:
 
 def build_document(graph: Graph, spec: dict[str, Any], deployment: dict[str, Any],
                    options: dict[str, Any], tables: dict[str, Any]) -> dict[str, Any]:
-    """The artifact document of a compiled graph, with both hashes filled in."""
+    """The artifact document of a compiled graph (its ``hash`` is set by :func:`encode`)."""
     document = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -88,17 +91,21 @@ def build_document(graph: Graph, spec: dict[str, Any], deployment: dict[str, Any
         "input_hash": input_hash(spec, deployment, options, tables),
         "graph": graph_to_json(graph),
     }
-    document["hash"] = sha256(document)
     return document
 
 
 def encode(document: dict[str, Any]) -> bytes:
-    """The file bytes of a document (deterministic)."""
-    return gzip.compress(canonical_json(document), compresslevel=6, mtime=0)
+    """The file bytes of a document (deterministic); sets ``document["hash"]``."""
+    body = canonical_json({k: v for k, v in document.items() if k != "hash"})
+    document["hash"] = hashlib.sha256(body).hexdigest()
+    header = canonical_json({"format": FORMAT, "format_version": FORMAT_VERSION,
+                             "hash": document["hash"]})
+    return gzip.compress(header + b"\n" + body, compresslevel=6, mtime=0)
 
 
-def write_artifact(document: dict[str, Any], path: str | Path) -> None:
-    """Write atomically: no partial file is left if the process dies midway."""
+def write_artifact(document: dict[str, Any], path: str | Path) -> int:
+    """Write atomically (no partial file is left if the process dies midway); returns the
+    file's size in bytes."""
     path = Path(path)
     data = encode(document)
     folder = path.parent if str(path.parent) else Path(".")
@@ -115,6 +122,7 @@ def write_artifact(document: dict[str, Any], path: str | Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+    return len(data)
 
 
 def read_document(path: str | Path) -> dict[str, Any]:
@@ -127,32 +135,37 @@ def read_document(path: str | Path) -> dict[str, Any]:
         raise ArtifactError(f"{path}: no such artifact") from None
     except IsADirectoryError:
         raise ArtifactError(f"{path}: is a folder, not an artifact") from None
+    corrupt = ArtifactError(f"{path}: not a stepgraph artifact or corrupted ({recompile})")
     try:
-        document = json.loads(gzip.decompress(raw))
+        header_line, _, body = gzip.decompress(raw).partition(b"\n")
+        header = json.loads(header_line)
     except (OSError, EOFError, zlib.error, ValueError, UnicodeDecodeError):
-        raise ArtifactError(
-            f"{path}: not a stepgraph artifact or corrupted ({recompile})"
-        ) from None
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise corrupt from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ArtifactError(f"{path}: not a stepgraph artifact ({recompile})")
-    version = document.get("format_version")
+    version = header.get("format_version")
     if version != FORMAT_VERSION:
         raise ArtifactError(
             f"{path}: artifact format version {version}, this stepgraph reads version "
             f"{FORMAT_VERSION}: {recompile}"
         )
+    if header.get("hash") != hashlib.sha256(body).hexdigest():
+        raise ArtifactError(
+            f"{path}: content hash mismatch (the file was modified or corrupted): {recompile}"
+        )
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise corrupt from None
+    if (document.get("format"), document.get("format_version")) != (FORMAT, FORMAT_VERSION):
+        raise corrupt
     compiler = document.get("compiler_version")
     if compiler != __version__:
         raise ArtifactError(
             f"{path}: compiled by stepgraph {compiler}, this is stepgraph {__version__}: "
             f"{recompile}"
         )
-    stored = document.pop("hash", None)
-    if stored != sha256(document):
-        raise ArtifactError(
-            f"{path}: content hash mismatch (the file was modified or corrupted): {recompile}"
-        )
-    document["hash"] = stored
+    document["hash"] = header["hash"]
     return document
 
 

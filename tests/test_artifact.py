@@ -4,6 +4,7 @@ older files refused, written atomically."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -57,7 +58,9 @@ def test_spec_fields_change_the_hash(tiny: Spec, old: str, new: str) -> None:
     text = path.read_text()
     assert old in text
     changed = parse_spec_text(text.replace(old, new, 1))
-    assert _compile(tiny)["hash"] != _compile(changed)["hash"]
+    first, second = _compile(tiny), _compile(changed)
+    encode(first), encode(second)
+    assert first["hash"] != second["hash"]
     assert _compile(tiny)["input_hash"] != _compile(changed)["input_hash"]
 
 
@@ -70,10 +73,26 @@ def test_round_trip(tiny: Spec, tmp_path: Path) -> None:
     assert len(loaded.graph) == len(document["graph"]["nodes"])
 
 
-def _rewrite(path: Path, edit) -> None:
-    document = json.loads(gzip.decompress(path.read_bytes()))
-    edit(document)
-    path.write_bytes(gzip.compress(json.dumps(document).encode()))
+def _rewrite(path: Path, edit_body=None, edit_header=None, rehash: bool = False) -> None:
+    """Edit an artifact file's body and/or header; ``rehash`` keeps the header's hash true."""
+    header_line, _, body_line = gzip.decompress(path.read_bytes()).partition(b"\n")
+    header, body = json.loads(header_line), json.loads(body_line)
+    if edit_body:
+        edit_body(body)
+    body_bytes = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    if rehash:
+        header["hash"] = hashlib.sha256(body_bytes).hexdigest()
+    if edit_header:
+        edit_header(header)
+    path.write_bytes(gzip.compress(json.dumps(header).encode() + b"\n" + body_bytes))
+
+
+def test_unchanged_rewrite_still_loads(tiny: Spec, tmp_path: Path) -> None:
+    """The helper above round-trips: the refusals below come from the edits alone."""
+    path = tmp_path / "t.sgart"
+    write_artifact(_compile(tiny), path)
+    _rewrite(path)
+    assert load_artifact(path).document["deployment"]["tp"] == 1
 
 
 def test_tampered_artifact_is_refused(tiny: Spec, tmp_path: Path) -> None:
@@ -83,7 +102,7 @@ def test_tampered_artifact_is_refused(tiny: Spec, tmp_path: Path) -> None:
     def edit(document: dict) -> None:
         document["deployment"]["tp"] = 4
 
-    _rewrite(path, edit)
+    _rewrite(path, edit_body=edit)
     with pytest.raises(ArtifactError, match=r"content hash mismatch.*recompile"):
         load_artifact(path)
 
@@ -95,7 +114,7 @@ def test_older_format_is_refused(tiny: Spec, tmp_path: Path) -> None:
     def edit(document: dict) -> None:
         document["format_version"] = 0
 
-    _rewrite(path, edit)
+    _rewrite(path, edit_header=edit)
     with pytest.raises(ArtifactError, match="format version 0, this stepgraph reads version 1"):
         load_artifact(path)
 
@@ -107,7 +126,7 @@ def test_other_compiler_version_is_refused(tiny: Spec, tmp_path: Path) -> None:
     def edit(document: dict) -> None:
         document["compiler_version"] = "0.0.1"
 
-    _rewrite(path, edit)
+    _rewrite(path, edit_body=edit, rehash=True)
     with pytest.raises(ArtifactError, match=r"compiled by stepgraph 0\.0\.1"):
         load_artifact(path)
 
@@ -140,3 +159,4 @@ def test_atomic_write_leaves_no_partial_file(tiny: Spec, tmp_path: Path,
 def test_encoding_is_deterministic(tiny: Spec) -> None:
     document = _compile(tiny)
     assert encode(document) == encode(json.loads(json.dumps(document)))
+    assert len(document["hash"]) == 64

@@ -51,7 +51,7 @@ def dump_hook(which: str, folder: Path, known: tuple[str, ...]):
 
 def run(args: argparse.Namespace) -> int:
     """Compile and write the artifact atomically."""
-    from stepgraph.artifact import encode, write_artifact
+    from stepgraph.artifact import write_artifact
     from stepgraph.compiler import compile_document
     from stepgraph.passes.pipeline import PASS_ORDER
 
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         which, folder = args.dump_after
         hook = dump_hook(which, Path(folder), ("frontend", *PASS_ORDER))
     document, reports = compile_document(spec, deployment, options_from(args), hook)
-    write_artifact(document, args.output)
+    size = write_artifact(document, args.output)
     seconds = time.perf_counter() - start
     if args.verbose:
         for report in reports:
@@ -70,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {report.name:<9} {report.seconds * 1000:7.1f} ms  {mark:<9} "
                   f"{report.summary}", file=sys.stderr)
     nodes = len(document["graph"]["nodes"])
-    size = len(encode(document))
     print(f"wrote {args.output}: {spec.model.name} tp={deployment.tp} dcp={deployment.dcp} "
           f"dep={deployment.dep} q={deployment.q}, {nodes} launches, {size / 1e6:.1f} MB, "
           f"hash {document['hash'][:12]} ({seconds:.2f} s)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -131,12 +130,14 @@ class Graph:
         return sorted({n.layer for n in self._nodes if n.layer is not None})
 
     def copy(self) -> Graph:
-        """A deep copy (passes are pure: they edit a copy)."""
+        """A copy a pass may edit (passes are pure). Values and nodes are immutable; ``meta``
+        is copied one level deep, so its values are shared with the original: a pass
+        replaces a key's value and never edits the old value in place."""
         other = Graph(self.name)
         other.values = dict(self.values)
         other._nodes = list(self._nodes)
         other._index = dict(self._index)
-        other.meta = copy.deepcopy(self.meta)
+        other.meta = dict(self.meta)
         return other
 
     def __str__(self) -> str:

@@ -34,14 +34,10 @@ class OpDef:
     num_outputs: int | None
 
 
-def _expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise TypeRuleError(message)
-
-
 def _same_rows(node: Node, types: list[TensorType]) -> None:
     rows = {t.shape[0] for t in types if t.shape}
-    _expect(len(rows) <= 1, f"row dims differ: {sorted(map(str, rows))}")
+    if not (len(rows) <= 1):
+        raise TypeRuleError(f"row dims differ: {sorted(map(str, rows))}")
 
 
 def _shape(t: TensorType) -> str:
@@ -51,41 +47,52 @@ def _shape(t: TensorType) -> str:
 def _matmul(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, w = ins[0], ins[1]
     (out,) = outs
-    _expect(len(x.shape) == 2 and len(w.shape) == 2, "projection takes x[R,K] and w[N,K]")
-    _expect(x.shape[1] == w.shape[1], f"x is {_shape(x)} but weight is {_shape(w)} (K differs)")
-    _expect(out.shape == (x.shape[0], w.shape[0]),
-            f"out is {_shape(out)}, expected {x.shape[0]}x{w.shape[0]}")
+    if not (len(x.shape) == 2 and len(w.shape) == 2):
+        raise TypeRuleError("projection takes x[R,K] and w[N,K]")
+    if x.shape[1] != w.shape[1]:
+        raise TypeRuleError(f"x is {_shape(x)} but weight is {_shape(w)} (K differs)")
+    if out.shape != (x.shape[0], w.shape[0]):
+        raise TypeRuleError(f"out is {_shape(out)}, expected {x.shape[0]}x{w.shape[0]}")
 
 
 def _elementwise(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     (out,) = outs
     for t in ins:
-        _expect(t.shape == out.shape, f"operand {_shape(t)} differs from out {_shape(out)}")
-        _expect(t.dtype == out.dtype, f"operand dtype {t.dtype} differs from out {out.dtype}")
+        if t.shape != out.shape:
+            raise TypeRuleError(f"operand {_shape(t)} differs from out {_shape(out)}")
+        if t.dtype != out.dtype:
+            raise TypeRuleError(f"operand dtype {t.dtype} differs from out {out.dtype}")
 
 
 def _rmsnorm(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, w = ins
     (out,) = outs
-    _expect(w.shape == (x.shape[-1],), f"norm weight {_shape(w)} vs x {_shape(x)}")
-    _expect(out.shape == x.shape, f"out {_shape(out)} vs x {_shape(x)}")
+    if w.shape != (x.shape[-1],):
+        raise TypeRuleError(f"norm weight {_shape(w)} vs x {_shape(x)}")
+    if out.shape != x.shape:
+        raise TypeRuleError(f"out {_shape(out)} vs x {_shape(x)}")
 
 
 def _embed(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     tokens, table = ins
     (out,) = outs
-    _expect(tokens.dtype in ("int32", "int64"), "tokens must be integer")
-    _expect(out.shape == (tokens.shape[0], table.shape[1]), f"out {_shape(out)}")
+    if tokens.dtype not in ("int32", "int64"):
+        raise TypeRuleError("tokens must be integer")
+    if out.shape != (tokens.shape[0], table.shape[1]):
+        raise TypeRuleError(f"out {_shape(out)}")
 
 
 def _mix(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     count = node.attrs["sources"]
-    _expect(len(ins) == count + 2, f"expected {count} sources + query + norm, got {len(ins)}")
+    if len(ins) != count + 2:
+        raise TypeRuleError(f"expected {count} sources + query + norm, got {len(ins)}")
     (out,) = outs
     for source in ins[:count]:
-        _expect(source.shape == out.shape, f"source {_shape(source)} vs out {_shape(out)}")
+        if source.shape != out.shape:
+            raise TypeRuleError(f"source {_shape(source)} vs out {_shape(out)}")
     for weight in ins[count:]:
-        _expect(weight.shape == (out.shape[-1],), f"mix weight {_shape(weight)}")
+        if weight.shape != (out.shape[-1],):
+            raise TypeRuleError(f"mix weight {_shape(weight)}")
 
 
 def _kda(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
@@ -93,101 +100,117 @@ def _kda(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     q, k, v, g, f_a, b = ins[:6]
     width = heads * dim
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _expect(t.shape[1:] == (width,), f"{name} is {_shape(t)}, expected [R,{width}]")
-    if node.attrs["output_gate"] == "full":
-        _expect(g.shape[1:] == (width,), f"gate is {_shape(g)}, expected [R,{width}]")
-    _expect(b.shape[1:] == (heads,), f"beta is {_shape(b)}, expected [R,{heads}]")
-    _expect(f_a.shape[1] == ins[9].shape[1], "f_a width differs from f_b_proj's K")
+        if t.shape[1:] != (width,):
+            raise TypeRuleError(f"{name} is {_shape(t)}, expected [R,{width}]")
+    if node.attrs["output_gate"] == "full" and not (g.shape[1:] == (width,)):
+        raise TypeRuleError(f"gate is {_shape(g)}, expected [R,{width}]")
+    if b.shape[1:] != (heads,):
+        raise TypeRuleError(f"beta is {_shape(b)}, expected [R,{heads}]")
+    if f_a.shape[1] != ins[9].shape[1]:
+        raise TypeRuleError("f_a width differs from f_b_proj's K")
     (out,) = outs
-    _expect(out.shape == (q.shape[0], width), f"out {_shape(out)}")
+    if out.shape != (q.shape[0], width):
+        raise TypeRuleError(f"out {_shape(out)}")
 
 
 def _mla_query(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     heads = node.attrs["heads"]
     latent = node.attrs["kv_lora_rank"] + node.attrs["qk_rope_head_dim"]
     out = outs[0]
-    _expect(out.shape[1:] == (heads, latent), f"q_latent {_shape(out)}, expected [R,{heads},"
-            f"{latent}]")
+    if out.shape[1:] != (heads, latent):
+        raise TypeRuleError(f"q_latent {_shape(out)}, expected [R,{heads},{latent}]")
 
 
 def _attention_core(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     q = ins[0]
     out = outs[0]
-    _expect(len(q.shape) == 3, "the core's query is [R, heads, latent]")
-    _expect(out.shape == (q.shape[0], q.shape[1], node.attrs["kv_lora_rank"]),
-            f"out {_shape(out)} vs query {_shape(q)}")
-    if len(outs) > 1:
-        _expect(outs[1].shape == (q.shape[0], q.shape[1]), "lse is [R, heads]")
+    if len(q.shape) != 3:
+        raise TypeRuleError("the core's query is [R, heads, latent]")
+    if out.shape != (q.shape[0], q.shape[1], node.attrs["kv_lora_rank"]):
+        raise TypeRuleError(f"out {_shape(out)} vs query {_shape(q)}")
+    if len(outs) > 1 and not (outs[1].shape == (q.shape[0], q.shape[1])):
+        raise TypeRuleError("lse is [R, heads]")
 
 
 def _mla_value(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     heads, v = node.attrs["heads"], node.attrs["v_head_dim"]
     o = ins[0]
-    _expect(o.shape[1:] == (heads, node.attrs["kv_lora_rank"]), f"o_latent {_shape(o)}")
-    _expect(outs[0].shape == (o.shape[0], heads * v), f"out {_shape(outs[0])}")
+    if o.shape[1:] != (heads, node.attrs["kv_lora_rank"]):
+        raise TypeRuleError(f"o_latent {_shape(o)}")
+    if outs[0].shape != (o.shape[0], heads * v):
+        raise TypeRuleError(f"out {_shape(outs[0])}")
 
 
 def _router(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     logits = ins[0]
     ids, weights = outs
-    _expect(logits.shape[1] == node.attrs["experts"],
-            f"logits {_shape(logits)} vs {node.attrs['experts']} experts")
+    if logits.shape[1] != node.attrs["experts"]:
+        raise TypeRuleError(f"logits {_shape(logits)} vs {node.attrs['experts']} experts")
     k = node.attrs["top_k"]
-    _expect(ids.shape == (logits.shape[0], k) and weights.shape == ids.shape, "top-k shapes")
-    _expect(ids.dtype == "int32", "expert ids are int32")
+    if not (ids.shape == (logits.shape[0], k) and weights.shape == ids.shape):
+        raise TypeRuleError("top-k shapes")
+    if ids.dtype != "int32":
+        raise TypeRuleError("expert ids are int32")
 
 
 def _experts(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, ids, weights, gate_up, down = ins
     local, width = node.attrs["local_experts"], node.attrs["width"]
-    _expect(gate_up.shape == (local, 2 * width, x.shape[1]),
-            f"gate_up {_shape(gate_up)}, expected {local}x{2 * width}x{x.shape[1]}")
-    _expect(down.shape == (local, x.shape[1], width), f"down {_shape(down)}")
-    _expect(outs[0].shape == x.shape, f"out {_shape(outs[0])} vs x {_shape(x)}")
-    _expect(ids.shape[0] == x.shape[0] == weights.shape[0], "rows of x, ids, weights differ")
+    if gate_up.shape != (local, 2 * width, x.shape[1]):
+        raise TypeRuleError(f"gate_up {_shape(gate_up)}, expected {local}x{2 * width}x{x.shape[1]}")
+    if down.shape != (local, x.shape[1], width):
+        raise TypeRuleError(f"down {_shape(down)}")
+    if outs[0].shape != x.shape:
+        raise TypeRuleError(f"out {_shape(outs[0])} vs x {_shape(x)}")
+    if not (ids.shape[0] == x.shape[0] == weights.shape[0]):
+        raise TypeRuleError("rows of x, ids, weights differ")
 
 
 def _gated_mlp(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, gate_up, down = ins
     width = node.attrs["width"]
-    _expect(gate_up.shape == (2 * width, x.shape[1]), f"gate_up {_shape(gate_up)}")
-    _expect(down.shape == (x.shape[1], width), f"down {_shape(down)}")
-    _expect(outs[0].shape == x.shape, f"out {_shape(outs[0])}")
+    if gate_up.shape != (2 * width, x.shape[1]):
+        raise TypeRuleError(f"gate_up {_shape(gate_up)}")
+    if down.shape != (x.shape[1], width):
+        raise TypeRuleError(f"down {_shape(down)}")
+    if outs[0].shape != x.shape:
+        raise TypeRuleError(f"out {_shape(outs[0])}")
 
 
 def _same_as_input(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
-    _expect(outs[0].shape == ins[0].shape and outs[0].dtype == ins[0].dtype,
-            f"out {outs[0]} differs from in {ins[0]}")
+    if not (outs[0].shape == ins[0].shape and outs[0].dtype == ins[0].dtype):
+        raise TypeRuleError(f"out {outs[0]} differs from in {ins[0]}")
 
 
 def _gather(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     ways = node.attrs["ways"]
     x, out = ins[0], outs[0]
-    _expect(out.shape[:-1] == x.shape[:-1] and out.shape[-1] == x.shape[-1] * ways,
-            f"all_gather of {_shape(x)} over {ways} is {_shape(out)}")
+    if not (out.shape[:-1] == x.shape[:-1] and out.shape[-1] == x.shape[-1] * ways):
+        raise TypeRuleError(f"all_gather of {_shape(x)} over {ways} is {_shape(out)}")
 
 
 def _scatter(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     ways = node.attrs["ways"]
     x, out = ins[0], outs[0]
-    _expect(x.shape[-1] % ways == 0 and out.shape[-1] * ways == x.shape[-1],
-            f"reduce_scatter of {_shape(x)} over {ways} is {_shape(out)}")
+    if not (x.shape[-1] % ways == 0 and out.shape[-1] * ways == x.shape[-1]):
+        raise TypeRuleError(f"reduce_scatter of {_shape(x)} over {ways} is {_shape(out)}")
 
 
 def _dcp_gather(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     ways = node.attrs["ways"]
     x, out = ins[0], outs[0]
-    _expect(out.shape == (x.shape[0], x.shape[1] * ways, x.shape[2]),
-            f"dcp_gather of {_shape(x)} over {ways} is {_shape(out)}")
+    if out.shape != (x.shape[0], x.shape[1] * ways, x.shape[2]):
+        raise TypeRuleError(f"dcp_gather of {_shape(x)} over {ways} is {_shape(out)}")
 
 
 def _lse_merge(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     ways = node.attrs["ways"]
     o, lse = ins
     out = outs[0]
-    _expect(lse.shape == o.shape[:2], "lse is [R, heads]")
-    _expect(out.shape == (o.shape[0], o.shape[1] // ways, o.shape[2]),
-            f"lse_merge of {_shape(o)} over {ways} is {_shape(out)}")
+    if lse.shape != o.shape[:2]:
+        raise TypeRuleError("lse is [R, heads]")
+    if out.shape != (o.shape[0], o.shape[1] // ways, o.shape[2]):
+        raise TypeRuleError(f"lse_merge of {_shape(o)} over {ways} is {_shape(out)}")
 
 
 def _rows_scaled(dim: Dim, base: Dim) -> bool:
@@ -197,19 +220,23 @@ def _rows_scaled(dim: Dim, base: Dim) -> bool:
 def _dispatch(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, ids, weights = ins
     rx, rids, rweights = outs
-    _expect(rx.shape[1:] == x.shape[1:] and rids.shape[1:] == ids.shape[1:]
-            and rweights.shape[1:] == weights.shape[1:], "dispatch keeps row widths")
-    _expect(_rows_scaled(rx.shape[0], x.shape[0]), "dispatched rows scale B")
+    widths = (rx.shape[1:], rids.shape[1:], rweights.shape[1:])
+    if widths != (x.shape[1:], ids.shape[1:], weights.shape[1:]):
+        raise TypeRuleError("dispatch keeps row widths")
+    if not (_rows_scaled(rx.shape[0], x.shape[0])):
+        raise TypeRuleError("dispatched rows scale B")
 
 
 def _combine(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     y = ins[0]
     out = outs[0]
-    _expect(out.shape[1:] == y.shape[1:], "combine keeps the row width")
+    if out.shape[1:] != y.shape[1:]:
+        raise TypeRuleError("combine keeps the row width")
 
 
 def _prefetch(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
-    _expect(not outs, "a prefetch writes nothing")
+    if outs:
+        raise TypeRuleError("a prefetch writes nothing")
 
 
 def _op(name: str, category: str, doc: str, rule: Rule, min_inputs: int,

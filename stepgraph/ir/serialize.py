@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from stepgraph.ir.graph import Graph
@@ -104,13 +105,42 @@ def node_from_json(item: dict[str, Any]) -> Node:
     )
 
 
+def _intern_decisions(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` with ``decisions`` ({node: per-bin dict}) stored once per distinct per-bin
+    dict: ``decisions`` becomes {node: index} into ``decision_table`` (thousands of nodes
+    share a few hundred distinct choices)."""
+    decisions = meta.get("decisions")
+    if not decisions:
+        return meta
+    table: list[Any] = []
+    index_of: dict[str, int] = {}
+    compact = {}
+    for node, per_bin in decisions.items():
+        key = json.dumps(per_bin, sort_keys=True)
+        if key not in index_of:
+            index_of[key] = len(table)
+            table.append(per_bin)
+        compact[node] = index_of[key]
+    return {**meta, "decisions": compact, "decision_table": table}
+
+
+def _expand_decisions(meta: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`_intern_decisions`."""
+    if "decision_table" not in meta:
+        return meta
+    table = meta["decision_table"]
+    expanded = {k: v for k, v in meta.items() if k != "decision_table"}
+    expanded["decisions"] = {node: table[i] for node, i in meta["decisions"].items()}
+    return expanded
+
+
 def graph_to_json(graph: Graph) -> dict[str, Any]:
     """The graph (values, nodes, meta) as JSON-able data."""
     return {
         "name": graph.name,
         "values": [value_to_json(v) for v in graph.values.values()],
         "nodes": [node_to_json(n) for n in graph],
-        "meta": graph.meta,
+        "meta": _intern_decisions(graph.meta),
     }
 
 
@@ -120,5 +150,5 @@ def graph_from_json(data: dict[str, Any]) -> Graph:
     for item in data["values"]:
         graph.add_value(value_from_json(item))
     graph.set_nodes(node_from_json(item) for item in data["nodes"])
-    graph.meta = data.get("meta", {})
+    graph.meta = _expand_decisions(data.get("meta", {}))
     return graph

@@ -52,6 +52,12 @@ def _check_values(graph: Graph) -> None:
 def _check_program(graph: Graph) -> None:
     written: set[str] = set()
     producers: dict[str, str] = {}
+    values = graph.values
+    # Temps and outputs (through views) must be written before they are read.
+    needs_writer = {
+        name: graph.root(name) for name, value in values.items()
+        if value.storage in (Storage.TEMP, Storage.OUTPUT)
+    }
     for node in graph:
         opdef = OPS.get(node.op)
         if opdef is None:
@@ -63,14 +69,10 @@ def _check_program(graph: Graph) -> None:
             _fail(f"{node.op} writes {opdef.num_outputs} outputs, not {len(node.outputs)}",
                   node.name)
         for name in node.inputs:
-            value = graph.values.get(name)
-            if value is None:
+            if name not in values:
                 _fail(f"reads unknown value {name}", node.name)
-                continue
-            root = graph.root(name)
-            if graph.values[root].storage in (Storage.TEMP, Storage.OUTPUT) and (
-                root not in written
-            ):
+            root = needs_writer.get(name)
+            if root is not None and root not in written:
                 _fail(f"reads {name} before anything writes it", node.name)
         for name in node.updates:
             value = graph.values.get(name)
@@ -95,8 +97,8 @@ def _check_program(graph: Graph) -> None:
             producers[name] = node.name
             written.add(name)
         try:
-            ins = [graph.values[n].type for n in node.inputs]
-            outs = [graph.values[n].type for n in node.outputs]
+            ins = [values[n].type for n in node.inputs]
+            outs = [values[n].type for n in node.outputs]
             opdef.rule(node, ins, outs)
         except TypeRuleError as error:
             _fail(f"{node.op}: {error}", node.name)

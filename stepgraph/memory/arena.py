@@ -3,10 +3,11 @@ verified by the independent checker.
 
 The result is the JSON-able ``graph.meta["memory"]`` record::
 
-    {"arena_bytes": int, "alignment": int,
+    {"arena_bytes": int, "alignment": int, "live": {temp: [first, last]},
      "bins": {str(rows): {"arena_bytes", "lower_bound_bytes", "naive_bytes",
-                          "offsets": {temp: int}, "sizes": {temp: int},
-                          "live": {temp: [first, last]}}}}
+                          "offsets": {temp: int}, "sizes": {temp: int}}}}
+
+``live`` (launch indices, the same for every bin) is stored once.
 
 ``arena_bytes`` at the top is the max over bins: one allocation serves every bin's
 captured graph. A bin's ``lower_bound_bytes`` (the most bytes live at one launch) and
@@ -60,7 +61,6 @@ def plan_memory(graph: Graph, rows: Sequence[int],
             "naive_bytes": naive_bytes(buffers),
             "offsets": plan.offsets,
             "sizes": {b.name: b.size for b in buffers},
-            "live": live,
         }
     arena = max((b["arena_bytes"] for b in bins.values()), default=0)
-    return {"arena_bytes": arena, "alignment": alignment, "bins": bins}
+    return {"arena_bytes": arena, "alignment": alignment, "live": live, "bins": bins}

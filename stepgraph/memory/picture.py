@@ -44,10 +44,10 @@ def _bin(graph: Graph, rows: int) -> tuple[dict[str, Any], dict[str, Any]]:
     return memory, record
 
 
-def _buffers(record: dict[str, Any]) -> list[Buffer]:
+def _buffers(memory: dict[str, Any], record: dict[str, Any]) -> list[Buffer]:
     """The bin's buffers in order of production (a stored record may have sorted keys)."""
     buffers = [Buffer(name, record["sizes"][name], span[0], span[1])
-               for name, span in record["live"].items()]
+               for name, span in memory["live"].items()]
     return sorted(buffers, key=lambda b: (b.first, b.name))
 
 
@@ -88,7 +88,7 @@ def render_memory(graph: Graph, rows: int, path: str | None = None, width: int =
     memory, record = _bin(graph, rows)
     if path is not None and Path(path).suffix.lower() in IMAGE_SUFFIXES:
         if importlib.util.find_spec("matplotlib") is not None:
-            return _draw(graph, rows, record, path)
+            return _draw(graph, rows, memory, record, path)
         note = f"matplotlib is not installed, so {path} was not drawn; an ASCII map instead"
         return note + "\n" + _ascii(graph, rows, memory, record, width)
     return _ascii(graph, rows, memory, record, width)
@@ -105,7 +105,7 @@ def _headline(rows: int, record: dict[str, Any], count: int) -> str:
 
 def _ascii(graph: Graph, rows: int, memory: dict[str, Any], record: dict[str, Any],
            width: int) -> str:
-    buffers = _buffers(record)
+    buffers = _buffers(memory, record)
     offsets = record["offsets"]
     arena = max(record["arena_bytes"], 1)
     step = -(-arena // width)
@@ -143,12 +143,13 @@ def _ascii(graph: Graph, rows: int, memory: dict[str, Any], record: dict[str, An
     return "\n".join(lines) + "\n"
 
 
-def _draw(graph: Graph, rows: int, record: dict[str, Any], path: str) -> str:
+def _draw(graph: Graph, rows: int, memory: dict[str, Any], record: dict[str, Any],
+          path: str) -> str:
     import matplotlib
     from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
 
-    buffers = _buffers(record)
+    buffers = _buffers(memory, record)
     offsets = record["offsets"]
     nodes = graph.nodes
     scale = 2**20

@@ -223,10 +223,9 @@ class Pdl:
         tables = tables_for(g, ctx)
         nodes = [n for n in g if n.op != "prefetch"]
         removed = len(g) - len(nodes)
-        if removed and "decisions" in g.meta:
-            for node in g:
-                if node.op == "prefetch":
-                    g.meta["decisions"].pop(node.name, None)
+        if "decisions" in g.meta:  # edited below: this graph gets its own top level
+            g.meta["decisions"] = {name: per_bin for name, per_bin in g.meta["decisions"].items()
+                                   if not g.has_node(name) or g.node(name).op != "prefetch"}
         g.meta["pdl_config"] = {"enabled": self.enabled, "prefetch": self.prefetch,
                                 "pre_wait_cap_bytes": tables.pre_wait_bytes,
                                 "fork_budget_bytes": tables.fork_budget_bytes}

@@ -120,6 +120,26 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def representative_weights(data: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The weights of the first layer of each attention kind and each MLP kind (2-D and
+    larger only), then the step's own (embedding, lm_head): what one reads to check shapes."""
+    firsts: dict[str, int] = {}
+    for layer in data["layers"]:
+        firsts.setdefault(f"{layer['attention']} attention", layer["index"])
+        firsts.setdefault(f"{layer['mlp']} mlp", layer["index"])
+    groups = []
+    for label, index in sorted(firsts.items(), key=lambda item: (item[1], item[0])):
+        unit = ".self_attn." if label.endswith("attention") else ".mlp."
+        prefix = f"layers.{index}{unit}"
+        chosen = [w for w in data["weights"]
+                  if w["name"].startswith(prefix) and len(w["shape"]) >= 2]
+        groups.append((f"{label} (layer {index})", chosen))
+    step = [w for w in data["weights"] if not w["name"].startswith("layers.")
+            and len(w["shape"]) >= 2]
+    groups.append(("step", step))
+    return groups
+
+
 def summary_text(data: dict[str, Any], path: str) -> str:
     """The human summary printed before the graph."""
     d = data["deployment"]
@@ -139,11 +159,12 @@ def summary_text(data: dict[str, Any], path: str) -> str:
         f"weights    {human_bytes(data['weight_bytes_per_rank'])} per rank in "
         f"{len(data['weights'])} tensors",
     ]
-    biggest = sorted(data["weights"], key=lambda w: -w["bytes"])[:4]
-    for weight in biggest:
-        shape = " x ".join(map(str, weight["shape"]))
-        lines.append(f"             {weight['name']}  {shape}  {weight['dtype']}  "
-                     f"{human_bytes(weight['bytes'])}")
+    for label, weights in representative_weights(data):
+        lines.append(f"  {label}:")
+        for weight in weights:
+            shape = " x ".join(map(str, weight["shape"]))
+            lines.append(f"    {weight['name']:<52} {shape:<20} {weight['dtype']:<9} "
+                         f"{human_bytes(weight['bytes'])}")
     lines.append(f"temps      {data['temps']['count']} ({data['temps']['views']} views); "
                  f"states {len(data['states'])}")
     if data["caps"]:

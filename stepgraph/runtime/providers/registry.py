@@ -1,0 +1,106 @@
+"""The provider registry: for each (op, provider name) a factory that prepares one node's
+launch for one bin.
+
+A factory receives a :class:`PrepareContext` (the node, its per-bin tensors, its decision)
+and returns a :data:`Launch`: a zero-argument callable that enqueues the node's kernels on
+the current CUDA stream (or computes eagerly on the CPU). Launches must be capturable in a
+CUDA graph: no host synchronization, no allocation that depends on data, no shape that
+depends on data. Every input and output tensor is bound before the factory is called and
+stays the same for every replay, so a factory may precompute pointers, strides and grids.
+
+Providers register with :func:`register`; :func:`resolve` picks the provider the bin pass
+chose, or the next available one in the op's preference order, and says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+Launch = Callable[[], None]
+
+
+class PrepareContext(Protocol):
+    """What a provider factory may read."""
+
+    node: Any  # stepgraph.ir.nodes.Node
+    rows: int  # the bin's row count
+    tactic: Mapping[str, Any]  # the bin pass's tactic (may be empty)
+    pdl: bool  # whether this launch may use programmatic dependent launch
+    device: Any  # torch.device
+
+    def tensor(self, name: str) -> Any:
+        """The bound tensor of a value (arena temp or view, weight, state, input, output)."""
+        ...
+
+    def inputs(self) -> list[Any]:
+        """The node's input tensors in order."""
+        ...
+
+    def outputs(self) -> list[Any]:
+        """The node's output tensors in order."""
+        ...
+
+
+Factory = Callable[[PrepareContext], Launch]
+
+
+@dataclass(frozen=True)
+class ProviderEntry:
+    """A registered provider: its factory and whether it can run on a device type."""
+
+    op: str
+    provider: str
+    factory: Factory
+    devices: tuple[str, ...] = ("cuda",)
+    note: str = ""
+
+
+@dataclass
+class Registry:
+    """Providers keyed by (op, provider name)."""
+
+    entries: dict[tuple[str, str], ProviderEntry] = field(default_factory=dict)
+
+    def add(self, entry: ProviderEntry) -> None:
+        """Register ``entry`` (a second registration of the same key replaces the first)."""
+        self.entries[(entry.op, entry.provider)] = entry
+
+    def get(self, op: str, provider: str) -> ProviderEntry | None:
+        """The entry of (op, provider), or None."""
+        return self.entries.get((op, provider))
+
+    def providers_of(self, op: str) -> list[str]:
+        """The provider names registered for ``op``."""
+        return [p for (o, p) in self.entries if o == op]
+
+
+REGISTRY = Registry()
+
+
+def register(op: str, provider: str, devices: tuple[str, ...] = ("cuda",),
+             note: str = "") -> Callable[[Factory], Factory]:
+    """Decorator: register a factory for (op, provider) on ``devices`` ("cuda", "cpu")."""
+
+    def decorate(factory: Factory) -> Factory:
+        REGISTRY.add(ProviderEntry(op, provider, factory, devices, note))
+        return factory
+
+    return decorate
+
+
+def resolve(op: str, wanted: str, preference: list[str], device_type: str,
+            registry: Registry = REGISTRY) -> tuple[ProviderEntry, str]:
+    """The entry to use for ``op``: ``wanted`` (the bin pass's choice) when registered for
+    ``device_type``, else the first available of ``preference``, else ``torch``; with the
+    reason when it is not ``wanted``."""
+    entry = registry.get(op, wanted)
+    if entry is not None and device_type in entry.devices:
+        return entry, ""
+    for name in (*preference, "torch"):
+        entry = registry.get(op, name)
+        if entry is not None and device_type in entry.devices:
+            why = (f"{wanted} is not available for {op} on {device_type}; using {name}")
+            return entry, why
+    raise LookupError(f"no provider of op {op!r} runs on {device_type}")

@@ -66,22 +66,32 @@ def _line_of(root: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
     return line
 
 
-def _format_validation(path: str, root: yaml.Node | None, error: ValidationError) -> str:
+_UNION_TAGS = {"situ", "silu", "attn_res", "plain"}
+
+
+def first_error(error: ValidationError,
+                unknown_key: str = "unknown key") -> tuple[tuple[int | str, ...], str]:
+    """The location (without pydantic's union tags) and a plain message of the first error
+    of ``error``, with a count of the others appended; shared by every validated file."""
     first = error.errors()[0]
     loc = tuple(p for p in first["loc"] if not (isinstance(p, str) and p in _UNION_TAGS))
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = unknown_key
+    elif first["type"] == "missing":
+        message = "required key is missing"
+    if error.error_count() > 1:
+        message += f" (and {error.error_count() - 1} more)"
+    return loc, message
+
+
+def _format_validation(path: str, root: yaml.Node | None, error: ValidationError) -> str:
+    loc, message = first_error(
+        error, "unknown key (see `stepgraph schema` for the accepted keys)")
     line = _line_of(root, loc)
     key = ".".join(str(p) for p in loc) or "(top level)"
     where = f"{path}:{line}" if line else path
-    message = first["msg"]
-    if first["type"] == "extra_forbidden":
-        message = "unknown key (see `stepgraph schema` for the accepted keys)"
-    elif first["type"] == "missing":
-        message = "required key is missing"
-    extra = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-    return f"{where}: {key}: {message}{extra}"
-
-
-_UNION_TAGS = {"situ", "silu", "attn_res", "plain"}
+    return f"{where}: {key}: {message}"
 
 
 def parse_spec_text(text: str, path: str = "<spec>") -> Spec:
@@ -122,6 +132,6 @@ def override_deployment(base: Deployment, **changes: object) -> Deployment:
     try:
         return Deployment.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        key = ".".join(str(p) for p in first["loc"]) or "deployment"
-        raise SpecError(f"deployment: {key}: {first['msg']}") from None
+        loc, message = first_error(error)
+        key = ".".join(str(p) for p in loc) or "deployment"
+        raise SpecError(f"deployment: {key}: {message}") from None

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from stepgraph.errors import UserError
 from stepgraph.ir.ops import OPS
+from stepgraph.spec_loader import first_error
 
 TABLES_DIR = Path(__file__).parent / "data" / "tactics"
 MATCH_KEYS = ("n", "k", "tp", "q", "verify")
@@ -302,15 +303,9 @@ def table_path(target: str) -> Path:
 
 
 def _one_line(path: Path, error: ValidationError) -> str:
-    first = error.errors()[0]
-    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        message = "unknown key"
-    elif first["type"] == "missing":
-        message = "required key is missing"
-    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-    return f"{path}: {key}: {message}{more}"
+    loc, message = first_error(error)
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    return f"{path}: {key}: {message}"
 
 
 def load_tables(target: str, path: str | Path | None = None) -> TacticTables:

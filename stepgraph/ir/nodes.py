@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
+
+from stepgraph.ir.values import fast_replace
 
 GROUPS = ("tp", "dcp", "ep", "dp")
 
@@ -55,5 +57,5 @@ class Node:
     updates: tuple[str, ...] = ()
 
     def evolve(self, **changes: Any) -> Node:
-        """A copy with ``changes``."""
-        return replace(self, **changes)
+        """A copy with ``changes`` (fields only)."""
+        return fast_replace(self, changes)

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from stepgraph.ir.types import Storage, TensorType
+
+
+def fast_replace(obj: Any, changes: dict[str, Any]) -> Any:
+    """``dataclasses.replace`` for the IR's frozen dataclasses without ``__post_init__``:
+    a shallow copy with ``changes`` (passes re-type thousands of values; ``replace`` re-runs
+    ``__init__`` and is several times slower). Unknown field names are refused."""
+    names = _FIELDS.get(type(obj))
+    if names is None:
+        names = _FIELDS[type(obj)] = frozenset(f.name for f in fields(obj))
+    unknown = changes.keys() - names
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}")
+    new = object.__new__(type(obj))
+    state = dict(obj.__dict__)
+    state.update(changes)
+    object.__setattr__(new, "__dict__", state)
+    return new
+
+
+_FIELDS: dict[type, frozenset[str]] = {}
+
 
 
 @dataclass(frozen=True)
@@ -78,8 +99,8 @@ class Value:
     attrs: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def evolve(self, **changes: Any) -> Value:
-        """A copy with ``changes``."""
-        return replace(self, **changes)
+        """A copy with ``changes`` (fields only)."""
+        return fast_replace(self, changes)
 
     @property
     def is_weight(self) -> bool:

@@ -42,8 +42,23 @@ def _randomize(model) -> None:
                 tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def torch_paths_only():
+    """Run HF's pure-torch KDA and conv paths even where fla-core and triton import (they
+    bind fla's GPU kernels at import time, which fail without a GPU)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as modeling
+
+    names = ("recurrent_kimi_delta_attention", "chunk_kimi_delta_attention",
+             "causal_conv1d_fn", "causal_conv1d_update")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in names:
+            function = getattr(modeling, name)
+            patch.setattr(modeling, name, getattr(function, "__wrapped__", function))
+        yield
+
+
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> tuple[Path, object]:
+def checkpoint(tmp_path_factory, torch_paths_only) -> tuple[Path, object]:
     """A saved tiny random HF model and the model reloaded from it (fp32, eager attention)."""
     folder = tmp_path_factory.mktemp("kimi_linear")
     torch.manual_seed(0)

@@ -1,0 +1,187 @@
+"""Preparing and capturing a bin: the provider of every node (the bin pass's decision, else the
+next available in the op's preference order, else ``torch``), its launch, a warm-up, and one
+CUDA graph per bin.
+
+A provider factory that raises ``NotImplementedError`` declines the node (a shape or
+attribute it does not handle); the next candidate is tried and the reason is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.nodes import Node
+from stepgraph.runtime.providers.registry import REGISTRY, Launch, ProviderEntry, Registry
+
+
+@dataclass
+class BinContext:
+    """What a provider factory sees for one node at one bin (a
+    :class:`~stepgraph.runtime.providers.registry.PrepareContext`), plus the step's compute
+    ``dtype`` and the ``graph``."""
+
+    node: Node
+    rows: int
+    tactic: Mapping[str, Any]
+    pdl: bool
+    device: torch.device
+    dtype: torch.dtype
+    graph: Graph
+    bound: Mapping[str, torch.Tensor]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The bound tensor of value ``name``."""
+        return self.bound[name]
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The node's input tensors in order."""
+        return [self.bound[name] for name in self.node.inputs]
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The node's output tensors in order."""
+        return [self.bound[name] for name in self.node.outputs]
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The provider a node runs with at a bin: ``wanted`` (the plan's decision) and
+    ``provider`` (the one used), with ``reason`` when they differ."""
+
+    node: str
+    op: str
+    rows: int
+    wanted: str
+    provider: str
+    pdl: bool
+    reason: str = ""
+
+
+@dataclass
+class BinPlan:
+    """A bin's launches in program order, the provider choices, and its CUDA graph once
+    captured."""
+
+    rows: int
+    launches: list[Launch]
+    choices: list[Choice]
+    graph: Any = None  # torch.cuda.CUDAGraph
+    names: list[str] = field(default_factory=list)
+
+    def run_eager(self) -> None:
+        """Enqueue every launch (no graph)."""
+        for launch in self.launches:
+            launch()
+
+
+def decision(graph: Graph, node: Node, rows: int) -> tuple[str | None, Mapping[str, Any]]:
+    """The bin pass's provider and tactic for ``node`` at ``rows`` (None: no decision)."""
+    per_bin = graph.meta.get("decisions", {}).get(node.name, {})
+    chosen = per_bin.get(str(rows))
+    if chosen is None:
+        return None, {}
+    return chosen.get("provider"), chosen.get("tactic") or {}
+
+
+def node_pdl(graph: Graph, node: Node, rows: int, enabled: bool) -> bool:
+    """Whether ``node`` may launch with PDL at bin ``rows`` (the pdl pass's mark)."""
+    entry = graph.meta.get("pdl", {}).get(node.name)
+    if not enabled or entry is None:
+        return False
+    return bool(entry.get("pdl")) and str(rows) not in entry.get("off_bins", {})
+
+
+def candidates(op: str, wanted: str | None, preference: Sequence[str], device_type: str,
+               registry: Registry = REGISTRY) -> list[ProviderEntry]:
+    """The registered providers of ``op`` runnable on ``device_type``, in the order to try:
+    ``wanted``, the preference list, ``torch``."""
+    order = dict.fromkeys([*(n for n in (wanted,) if n), *preference, "torch"])
+    found = []
+    for name in order:
+        entry = registry.get(op, name)
+        if entry is not None and device_type in entry.devices:
+            found.append(entry)
+    return found
+
+
+def prepare_node(ctx: BinContext, wanted: str | None, preference: Sequence[str],
+                 registry: Registry = REGISTRY, allowed: Collection[str] | None = None
+                 ) -> tuple[Launch, Choice]:
+    """The launch of ``ctx.node`` from the first candidate that accepts it, and the choice;
+    ``allowed`` restricts the candidates to these provider names (``torch`` always stays)."""
+    node = ctx.node
+    label = wanted or (preference[0] if preference else "torch")
+    reasons = []
+    entry = registry.get(node.op, label)
+    if entry is None:
+        reasons.append(f"{label} is not registered for {node.op}")
+    elif ctx.device.type not in entry.devices:
+        reasons.append(f"{label} does not run on {ctx.device.type}")
+    elif allowed is not None and label not in allowed and label != "torch":
+        reasons.append(f"{label} is excluded by providers={sorted(allowed)}")
+    found = candidates(node.op, label, preference, ctx.device.type, registry)
+    if allowed is not None:
+        found = [e for e in found if e.provider in allowed or e.provider == "torch"]
+    for entry in found:
+        try:
+            launch = entry.factory(ctx)
+        except NotImplementedError as error:
+            reasons.append(f"{entry.provider} declined: {error}")
+            continue
+        except Exception as error:
+            error.add_note(f"while preparing node {node.name} ({node.op}) at bin {ctx.rows} "
+                           f"with provider {entry.provider}")
+            raise
+        return launch, Choice(node.name, node.op, ctx.rows, label, entry.provider, ctx.pdl,
+                              "; ".join(reasons))
+    raise LookupError(f"no provider of op {node.op!r} runs node {node.name} on "
+                      f"{ctx.device.type} ({'; '.join(reasons) or 'none registered'})")
+
+
+def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
+                device: torch.device, dtype: torch.dtype,
+                preferences: Callable[[str], Sequence[str]], pdl: bool,
+                advance: Callable[[int, str], None] | None = None,
+                registry: Registry = REGISTRY, allowed: Collection[str] | None = None
+                ) -> BinPlan:
+    """Every node's launch at bin ``rows`` in program order (``preferences(op)``: the op's
+    providers from the tactic tables, preferred first; ``allowed``: see
+    :func:`prepare_node`)."""
+    launches, choices = [], []
+    for node in graph:
+        wanted, tactic = decision(graph, node, rows)
+        ctx = BinContext(node, rows, tactic, node_pdl(graph, node, rows, pdl), device, dtype,
+                         graph, bound)
+        launch, choice = prepare_node(ctx, wanted, preferences(node.op), registry, allowed)
+        launches.append(launch)
+        choices.append(choice)
+        if advance is not None:
+            advance(1, f"bin {rows}: {node.name}")
+    return BinPlan(rows, launches, choices, names=[n.name for n in graph])
+
+
+def warm(plan: BinPlan, device: torch.device, times: int = 1) -> None:
+    """Run the bin's launches ``times`` times (on a side stream on CUDA, as capture wants)."""
+    if device.type != "cuda":
+        for _ in range(times):
+            plan.run_eager()
+        return
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            plan.run_eager()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+
+
+def capture(plan: BinPlan, pool: Any) -> None:
+    """Capture the bin's launches into one CUDA graph in memory pool ``pool``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        plan.run_eager()
+    plan.graph = graph

@@ -1,0 +1,213 @@
+"""``load``: an artifact -> a :class:`~stepgraph.runtime.step.CompiledStep` on a device.
+
+Checks the artifact against the device (target, world of one), allocates the arena and the
+caches, binds weights, inputs and outputs, prepares every node's launch for every bin, warms
+them, and captures one CUDA graph per bin in one shared memory pool.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stepgraph.artifact import Artifact, load_artifact
+from stepgraph.errors import UserError
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.types import Storage
+from stepgraph.lower.caches import allocate_caches
+from stepgraph.lower.tensors import compute_dtype
+from stepgraph.lower.weights import load_weights, random_weights
+from stepgraph.memory.arena import bin_rows
+from stepgraph.runtime.binding import (
+    Arena,
+    Bindings,
+    arena_scale,
+    bind_temps,
+    bind_weights,
+    static_buffers,
+)
+from stepgraph.runtime.capture import capture as capture_bin
+from stepgraph.runtime.capture import prepare_bin, warm
+from stepgraph.runtime.inputs import InputFiller, Limits
+from stepgraph.runtime.progress import progress as progress_bar
+from stepgraph.runtime.providers import load_providers
+from stepgraph.runtime.step import CompiledStep
+
+GPU_NAMES = {"h200": "H200", "h100": "H100", "b200": "B200"}
+MULTI_RANK = "multi-rank steps need the NCCL providers (issue 6)"
+
+
+def _graph_of(artifact: Artifact | Graph | str | Path) -> tuple[Graph, dict[str, Any] | None]:
+    if isinstance(artifact, Graph):
+        return artifact, None
+    if isinstance(artifact, Artifact):
+        return artifact.graph, artifact.document
+    loaded = load_artifact(artifact)
+    return loaded.graph, loaded.document
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``cpu`` or ``cuda[:n]``; a one-line error where CUDA is absent."""
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"device {device}: choose cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device cuda: no CUDA device is available here; use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_target(target: str, device: torch.device, allow_mismatch: bool = False) -> None:
+    """Refuse running an artifact compiled for ``target`` on ``device`` unless they match
+    (target ``cpu`` on the CPU, ``h200`` on an H200, ...) or ``allow_mismatch``."""
+    if allow_mismatch:
+        return
+    if device.type == "cpu":
+        found = "cpu"
+        ok = target == "cpu"
+    else:
+        found = torch.cuda.get_device_name(device)
+        wanted = GPU_NAMES.get(target)
+        ok = wanted is not None and wanted.lower() in found.lower()
+    if not ok:
+        raise UserError(f"the artifact was compiled for target {target} but the device is "
+                        f"{found}: recompile with --target matching the device, or load with "
+                        f"allow_target_mismatch=True")
+
+
+def check_world(graph: Graph) -> None:
+    """Refuse a plan for more than one rank."""
+    world = int(graph.meta.get("world", 1))
+    if world != 1:
+        raise UserError(f"the artifact's step runs on {world} ranks: {MULTI_RANK}")
+    if "memory" not in graph.meta:
+        raise UserError("the artifact has no memory plan (compile it through the alias pass)")
+
+
+def _weights(graph: Graph, weights: Any, seed: int, dtype: torch.dtype,
+             device: torch.device) -> dict[str, torch.Tensor]:
+    if isinstance(weights, Mapping):
+        return dict(weights)
+    if weights == "random":
+        return random_weights(graph, seed, dtype=dtype, device=device)
+    return load_weights(graph, weights, dtype=dtype, device=device)
+
+
+def _preferences(graph: Graph, target: str, notes: list[str]
+                 ) -> Callable[[str], tuple[str, ...]]:
+    """Each op's providers from the target's tactic tables, preferred first (a note when the
+    tables changed since the artifact was compiled)."""
+    from stepgraph.tactics import TacticsError, load_tables
+
+    tables = load_tables(target)
+    recorded = graph.meta.get("tactics", {}).get("digest")
+    if recorded and recorded != tables.digest:
+        notes.append(f"the {target} tactic tables changed since this artifact was compiled "
+                     f"(provider preferences come from the current {tables.version})")
+
+    def providers(op: str) -> tuple[str, ...]:
+        try:
+            return tables.providers(op)
+        except TacticsError:
+            return ()
+
+    return providers
+
+
+def load(
+    artifact: Artifact | Graph | str | Path,
+    weights: str | Path | Mapping[str, torch.Tensor] = "random",
+    device: str | torch.device = "cuda",
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    max_requests: int | None = None,
+    max_context: int = 4096,
+    block_size: int = 64,
+    capture: bool = True,
+    pdl: bool = True,
+    progress: bool = True,
+    allow_target_mismatch: bool = False,
+    providers: Sequence[str] | None = None,
+) -> CompiledStep:
+    """Load a compiled step onto ``device``.
+
+    ``artifact``: a path, an :class:`~stepgraph.artifact.Artifact` or a compiled Graph;
+    ``weights``: ``"random"`` (seeded by ``seed``), a safetensors checkpoint folder, or a
+    mapping of graph weight names to tensors (packed as the graph says); ``dtype``: the
+    compute dtype (``bfloat16`` or ``float32``); ``max_requests`` (default: the largest bin's
+    requests) and ``max_context`` / ``block_size`` size the caches and block tables;
+    ``capture``: one CUDA graph per bin (CUDA only; eager launches otherwise); ``pdl``:
+    launch with PDL where the plan allows; ``progress``: show a progress bar;
+    ``allow_target_mismatch``: run an artifact compiled for another target; ``providers``:
+    use only these providers (e.g. ``("torch", "cublas")``: the torch baseline; ``torch`` is
+    always the last resort).
+    """
+    graph, document = _graph_of(artifact)
+    check_world(graph)
+    device = resolve_device(device)
+    target = str(graph.meta.get("deployment", {}).get("target", "default"))
+    check_target(target, device, allow_target_mismatch)
+    compute = compute_dtype(dtype)
+    if max_context < 1 or block_size < 1:
+        raise UserError("max_context and block_size must be positive")
+    notes = [f"provider module {s}" for s in load_providers()]
+    if allow_target_mismatch:
+        try:
+            check_target(target, device)
+        except UserError:
+            notes.append(f"compiled for target {target}; running on this device anyway "
+                         f"(allow_target_mismatch)")
+
+    bins = bin_rows(graph)
+    q = int(graph.meta.get("deployment", {}).get("q", 1))
+    requests = max_requests if max_requests is not None else max(bins[-1] // q, 1)
+    if requests < 1:
+        raise UserError("max_requests must be at least 1")
+    width = math.ceil(max_context / block_size)
+    slots, blocks = requests * q, requests * width
+    caches = allocate_caches(graph, slots + 1, blocks + 1, block_size, device, compute)
+    fixed = bind_weights(graph, _weights(graph, weights, seed, compute, device), compute, device)
+    fixed.update(caches)
+    symbols = {"T": width}
+    bindings = Bindings(
+        fixed=fixed,
+        inputs=static_buffers(graph, Storage.INPUT, bins[-1], symbols, compute, device),
+        outputs=static_buffers(graph, Storage.OUTPUT, bins[-1], symbols, compute, device),
+    )
+    scale = arena_scale(graph, compute)
+    arena = Arena.allocate(int(graph.meta["memory"]["arena_bytes"]), scale, device)
+    vocab = _vocab(graph)
+    filler = InputFiller(bindings.inputs, Limits(slots, blocks, block_size, width, vocab, q))
+
+    preferences = _preferences(graph, target, notes)
+    use_graphs = capture and device.type == "cuda"
+    pool = torch.cuda.graph_pool_handle() if use_graphs else None
+    plans = {}
+    label = "capturing" if use_graphs else "preparing"
+    with torch.no_grad(), progress_bar(len(bins) * len(graph), label, progress) as advance:
+        for size in bins:
+            bindings.temps[size] = bind_temps(graph, size, arena, compute)
+            plan = prepare_bin(graph, size, bindings.for_bin(size), device, compute,
+                               preferences, pdl, advance,
+                               allowed=None if providers is None else set(providers))
+            filler.fill_padding(size)
+            warm(plan, device)
+            if use_graphs:
+                capture_bin(plan, pool)
+            plans[size] = plan
+    return CompiledStep(graph=graph, device=device, dtype=compute, bins=bins, q=q, plans=plans,
+                        bindings=bindings, arena=arena, filler=filler, caches=caches,
+                        target=target, notes=notes, document=document, pool=pool)
+
+
+def _vocab(graph: Graph) -> int:
+    for name in ("embed_tokens", "lm_head"):
+        if name in graph.values:
+            return int(graph.values[name].type.shape[0])
+    return 2**31 - 1

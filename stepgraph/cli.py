@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from stepgraph import __version__
 from stepgraph.errors import UserError
 
-COMMANDS = ("compile", "inspect", "dump", "schema", "run", "import_hf", "bench")
+COMMANDS = ("compile", "inspect", "dump", "schema", "run", "import_hf", "bench", "tune")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -412,10 +412,14 @@ def test_provider_matches_the_reference_on_gpu_in_bf16(case) -> None:
 @pytest.mark.parametrize("case", OTHER_CASES, ids=_id)
 def test_every_other_registered_provider_matches_the_reference_on_gpu(case) -> None:
     """The same harness over the Triton / fla providers, bound as the runtime binds them
-    (packed outputs' column views included), with PDL on."""
+    (packed outputs' column views included), with PDL on. A provider that declines the
+    node (NotImplementedError: the runtime falls back) is skipped with its reason."""
     model, q, rope, op, provider = case
     graph = _graph(model, q, rope)
     node = nodes_by_op(graph)[op]
     for rows, seed in ((3 * q, 1), (8 * q, 2)):
-        check_node(graph, node, rows, provider, torch.device("cuda"), torch.bfloat16, 1e-2,
-                   seed, pdl=True)
+        try:
+            check_node(graph, node, rows, provider, torch.device("cuda"), torch.bfloat16,
+                       1e-2, seed, pdl=True)
+        except NotImplementedError as why:
+            pytest.skip(f"{provider} declines {node.name}: {why}")

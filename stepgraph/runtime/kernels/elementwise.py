@@ -1,0 +1,206 @@
+"""Triton kernels of the small fused ops: RMSNorm (one program a row), the residual add (a
+program per row and column block), the AttnRes mix (two launches spread over rows x sources,
+then rows x column blocks); float32 math, written in the output's dtype through its row
+stride. Kernels load their weights before ``gdc_wait()`` where they can and let their
+dependents launch right after it (PDL)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from stepgraph.errors import UserError
+from stepgraph.runtime.kernels.launch_utils import next_pow2, pdl_allowed, scratch
+
+MAX_ROW = 32768  # the widest row one program holds (RMSNorm, AttnRes)
+ADD_BLOCK = 1024
+MIX_BLOCK = 2048  # columns a mix program covers (logits: per loop step)
+MAX_SOURCES = 64
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, w_ptr, out_ptr, H, stride_xr, stride_or, eps,
+                    BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w, in float32."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < H
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + row * stride_xr + offs, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(x * x, 0) / H + eps)
+    tl.store(out_ptr + row * stride_or + offs, (x * scale * w).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
+def _add_kernel(srcs, strides, out_ptr, H, stride_or, N_SRC: tl.constexpr,
+                BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[r, block] = sum_i srcs[i][r, block], in float32."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(N_SRC):
+        acc += tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_or + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mix_logits_kernel(srcs, strides, q_ptr, n_ptr, logits_ptr, H, eps,
+                       N_SRC: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    """AttnRes logits: program (row, i) writes rsqrt(mean(v_i^2) + eps) * sum(v_i * norm *
+    query) of source i's row to logits[row, i] (float32)."""
+    row = tl.program_id(0)
+    src = tl.program_id(1)
+    offs0 = tl.arange(0, BLOCK)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    for i in tl.static_range(N_SRC):
+        if src == i:
+            dot = tl.zeros([BLOCK], dtype=tl.float32)
+            square = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, H, BLOCK):
+                offs = start + offs0
+                mask = offs < H
+                nq = (tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                      * tl.load(n_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+                v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0)
+                v = v.to(tl.float32)
+                dot += v * nq
+                square += v * v
+            logit = tl.sum(dot, 0) * tl.rsqrt(tl.sum(square, 0) / H + eps)
+            tl.store(logits_ptr + row * S_PAD + i, logit)
+
+
+@triton.jit
+def _mix_sum_kernel(srcs, strides, logits_ptr, out_ptr, H, stride_or,
+                    N_SRC: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """AttnRes output: out[row, block] = sum_i softmax(logits[row])_i v_i[row, block]."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    idx = tl.arange(0, S_PAD)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    logits = tl.load(logits_ptr + row * S_PAD + idx, mask=idx < N_SRC, other=float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(N_SRC):
+        v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0)
+        acc += tl.sum(tl.where(idx == i, p, 0.0), 0) * v.to(tl.float32)
+    tl.store(out_ptr + row * stride_or + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_of(name: str, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dim() != 2 or tuple(t.shape) != tuple(out.shape):
+            raise UserError(f"{name}: operand {list(t.shape)} does not match the output "
+                            f"{list(out.shape)}")
+        if t.stride(1) != 1:
+            raise NotImplementedError(f"{name}: operands must be contiguous along the row")
+    if out.stride(1) != 1:
+        raise NotImplementedError(f"{name}: the output must be contiguous along the row")
+    if out.shape[1] > MAX_ROW:
+        raise NotImplementedError(f"{name}: rows of {out.shape[1]} > {MAX_ROW} elements")
+
+
+class RmsNorm:
+    """A prepared RMSNorm launch: ``out [R, H] = rmsnorm(x [R, H]) * weight [H]``."""
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, eps: float,
+                 pdl: bool = False) -> None:
+        _rows_of("rmsnorm", [x], out)
+        if tuple(weight.shape) != (out.shape[1],):
+            raise UserError(f"rmsnorm: weight {list(weight.shape)} for rows of {out.shape[1]}")
+        self.x, self.weight, self.out, self.eps = x, weight, out, float(eps)
+        self.block = next_pow2(out.shape[1])
+        self.pdl = pdl_allowed(pdl, out.device)
+
+    def __call__(self) -> None:
+        """Enqueue the launch (one program a row)."""
+        if self.out.shape[0] == 0:
+            return
+        _rmsnorm_kernel[(self.out.shape[0],)](
+            self.x, self.weight, self.out, self.out.shape[1], self.x.stride(0),
+            self.out.stride(0), self.eps, BLOCK=self.block, USE_PDL=self.pdl,
+            num_warps=_warps(self.block), launch_pdl=self.pdl)
+
+
+class Add:
+    """A prepared sum of operands ``[R, H]`` (two or more) into ``out``."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], out: torch.Tensor,
+                 pdl: bool = False) -> None:
+        if not 1 <= len(sources) <= MAX_SOURCES:
+            raise NotImplementedError(f"add: {len(sources)} operands (1..{MAX_SOURCES})")
+        _rows_of("add", sources, out)
+        self.sources, self.out = tuple(sources), out
+        self.strides = tuple(s.stride(0) for s in sources)
+        self.pdl = pdl_allowed(pdl, out.device)
+
+    def __call__(self) -> None:
+        """Enqueue the launch."""
+        rows, width = self.out.shape
+        if rows == 0:
+            return
+        _add_kernel[(rows, triton.cdiv(width, ADD_BLOCK))](
+            self.sources, self.strides, self.out, width, self.out.stride(0),
+            N_SRC=len(self.sources), BLOCK=ADD_BLOCK, USE_PDL=self.pdl, num_warps=4,
+            launch_pdl=self.pdl)
+
+
+class AttnResMix:
+    """A prepared AttnRes mix: sources ``[R, H]`` each, ``query`` and ``norm`` ``[H]``. Two
+    launches: the logits (one program per row and source) into a scratch ``[R, S]``, then the
+    softmax-weighted sum (one program per row and column block), so that one row's work
+    spreads over many SMs (B = 1 included)."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], query: torch.Tensor,
+                 norm: torch.Tensor, out: torch.Tensor, eps: float, pdl: bool = False) -> None:
+        if not 1 <= len(sources) <= MAX_SOURCES:
+            raise NotImplementedError(f"attn_res_mix: {len(sources)} sources (1..{MAX_SOURCES})")
+        _rows_of("attn_res_mix", sources, out)
+        width = out.shape[1]
+        if tuple(query.shape) != (width,) or tuple(norm.shape) != (width,):
+            raise UserError(f"attn_res_mix: query {list(query.shape)} / norm "
+                            f"{list(norm.shape)} for rows of {width}")
+        self.sources, self.query, self.norm, self.out = tuple(sources), query, norm, out
+        self.strides = tuple(s.stride(0) for s in sources)
+        self.eps = float(eps)
+        self.s_pad = max(2, next_pow2(len(sources)))
+        self.logits = scratch(out.device, "attn_res_logits", out.shape[0] * self.s_pad,
+                              torch.float32)
+        self.pdl = pdl_allowed(pdl, out.device)
+
+    def __call__(self) -> None:
+        """Enqueue the two launches."""
+        rows, width = self.out.shape
+        if rows == 0:
+            return
+        count = len(self.sources)
+        _mix_logits_kernel[(rows, count)](
+            self.sources, self.strides, self.query, self.norm, self.logits, width, self.eps,
+            N_SRC=count, S_PAD=self.s_pad, BLOCK=min(MIX_BLOCK, next_pow2(width)),
+            USE_PDL=self.pdl, num_warps=4, launch_pdl=self.pdl)
+        _mix_sum_kernel[(rows, triton.cdiv(width, MIX_BLOCK))](
+            self.sources, self.strides, self.logits, self.out, width, self.out.stride(0),
+            N_SRC=count, S_PAD=self.s_pad, BLOCK=MIX_BLOCK, USE_PDL=self.pdl, num_warps=4,
+            launch_pdl=self.pdl)

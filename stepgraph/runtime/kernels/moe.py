@@ -1,0 +1,433 @@
+"""Triton kernels of the MoE for decode row counts: the router (scores, biased top-k,
+renormalised weights) and the routed experts as three grouped launches.
+
+Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``,
+``down [E, W, I]`` -> ``out [R, W]``), all capturable (fixed grids, no host sync):
+
+1. ``_moe_gate_up_kernel``: one program per (active expert ``u``, tile of I, chunk of rows).
+   The program finds its expert itself: the ``u``-th smallest local expert id any row
+   selected (a histogram of the ids), then the rows that selected it (a prefix sum over
+   rows), ``BLOCK_M`` rows a chunk. It reads the expert's gate and up tiles once for all
+   those rows and writes ``act(gate, up)`` (SiTU or SiLU, float32) to ``h[r * k + j]``.
+2. ``_moe_down_kernel``: the same selection over tiles of W; ``h @ down[e].T`` times the
+   row's routing weight into ``y[r * k + j]`` (float32).
+3. ``_moe_combine_kernel``: ``out[r] = sum_j y[r * k + j]`` over the row's experts held
+   here (ids in ``[offset, offset + E)``), in the output's dtype; other ids add nothing.
+
+The grid covers ``min(E, R * k)`` experts x tiles x ``ceil(R / BLOCK_M)`` chunks; programs
+past the active experts or rows return at once. A row's ids must be distinct (top-k).
+Every launch waits on its predecessor (``gdc_wait``) before reading the routing, so with
+PDL only the launch latency overlaps (which experts to read is not known before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from stepgraph.errors import UserError
+from stepgraph.runtime.kernels.launch_utils import dot_in_f32, next_pow2, pdl_allowed, scratch
+from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, mma
+
+ACTIVATIONS = {"silu": 0, "situ": 1}
+MAX_ROWS = 512  # rows one launch routes (checked: sm_90 compiles without spills up to 512)
+COMBINE_BLOCK = 256
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def tanh_f32(x):
+    """tanh in float32 from the sigmoid, with a Taylor step near 0 (no cancellation)."""
+    small = tl.abs(x) < 0.01
+    return tl.where(small, x * (1.0 - x * x * (1.0 / 3.0)), 2.0 * tl.sigmoid(2.0 * x) - 1.0)
+
+
+@triton.jit
+def gated_act(g, u, beta, beta_linear, ACT: tl.constexpr):
+    """SiTU ``b tanh(g/b) sigmoid(g) * bl tanh(u/bl)`` (ACT 1) or SiLU ``silu(g) * u``
+    (ACT 0), in float32."""
+    if ACT == 1:
+        gate = beta * tanh_f32(g / beta) * tl.sigmoid(g)
+        return gate * (beta_linear * tanh_f32(u / beta_linear))
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def expert_rows(ids_ptr, stride_ir, stride_ij, R, TOPK, expert_offset, E, u, c,
+                R_PAD: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """The ``u``-th smallest local expert any row selected (``e``) and chunk ``c`` of the
+    rows that selected it: their row index, top-k position, a valid mask [BLOCK_M], and
+    whether this (expert, chunk) has any row."""
+    # Which local experts are used: a histogram of the ids held here.
+    slots = tl.arange(0, R_PAD * K_PAD)
+    slot_r = slots // K_PAD
+    slot_j = slots % K_PAD
+    flat_ok = (slot_r < R) & (slot_j < TOPK)
+    flat = tl.load(ids_ptr + slot_r * stride_ir + slot_j * stride_ij, mask=flat_ok, other=-1)
+    flat = flat - expert_offset
+    flat_ok = flat_ok & (flat >= 0) & (flat < E)
+    counts = tl.histogram(tl.where(flat_ok, flat, 0), E_PAD, mask=flat_ok)
+    present = (counts > 0).to(tl.int32)
+    rank = tl.cumsum(present, 0) - 1
+    experts = tl.arange(0, E_PAD)
+    pick = (present > 0) & (rank == u)
+    e = tl.sum(tl.where(pick, experts, 0), 0)
+    found = tl.sum(pick.to(tl.int32), 0) > 0
+
+    # The rows that selected e (a row selects an expert at most once), compacted.
+    rows = tl.arange(0, R_PAD)
+    js = tl.arange(0, K_PAD)
+    ok = (rows < R)[:, None] & (js < TOPK)[None, :]
+    ids = tl.load(ids_ptr + rows[:, None] * stride_ir + js[None, :] * stride_ij, mask=ok,
+                  other=-1)
+    hit = ok & (ids - expert_offset == e)
+    row_has = tl.max(hit.to(tl.int32), 1)
+    j_of_row = tl.sum(tl.where(hit, js[None, :], 0), 1)
+    pos = tl.cumsum(row_has, 0) - 1
+    count = tl.sum(row_has, 0)
+    want = c * BLOCK_M + tl.arange(0, BLOCK_M)
+    sel = (row_has[None, :] > 0) & (pos[None, :] == want[:, None])
+    row_m = tl.sum(tl.where(sel, rows[None, :], 0), 1)
+    j_m = tl.sum(tl.where(sel, j_of_row[None, :], 0), 1)
+    valid_m = tl.sum(sel.to(tl.int32), 1) > 0
+    active = found & (c * BLOCK_M < count)
+    return e, row_m, j_m, valid_m, active
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _moe_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr,
+                        R, W, INTER, TOPK, expert_offset, E, n_tiles, k_tiles,
+                        stride_xr, stride_xk, stride_ir, stride_ij,
+                        stride_ge, stride_gn, stride_gk, stride_hr,
+                        beta, beta_linear,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        CHUNKS: tl.constexpr, R_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        E_PAD: tl.constexpr, ACT: tl.constexpr, EVEN_K: tl.constexpr,
+                        USE_PDL: tl.constexpr, DOT_F32: tl.constexpr):
+    """h[r*k + j, n-tile] = act(x[r] @ gate[e].T, x[r] @ up[e].T) for the chunk's rows."""
+    pid = tl.program_id(0)
+    c = pid % CHUNKS
+    t = pid // CHUNKS
+    nt = t % n_tiles
+    u = t // n_tiles
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    e, row_m, j_m, valid_m, active = expert_rows(
+        ids_ptr, stride_ir, stride_ij, R, TOPK, expert_offset, E, u, c,
+        R_PAD, K_PAD, E_PAD, BLOCK_M)
+    if active:
+        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < INTER
+        g_base = gu_ptr + e.to(tl.int64) * stride_ge + offs_n[:, None] * stride_gn
+        u_base = g_base + INTER * stride_gn
+        x_base = x_ptr + row_m[None, :] * stride_xr
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for i in range(0, k_tiles):
+            kk = i * BLOCK_K + offs_k
+            if EVEN_K:
+                wg = tl.load(g_base + kk[None, :] * stride_gk, mask=n_ok[:, None], other=0.0)
+                wu = tl.load(u_base + kk[None, :] * stride_gk, mask=n_ok[:, None], other=0.0)
+                xt = tl.load(x_base + kk[:, None] * stride_xk, mask=valid_m[None, :],
+                             other=0.0)
+            else:
+                k_ok = kk < W
+                wg = tl.load(g_base + kk[None, :] * stride_gk,
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                wu = tl.load(u_base + kk[None, :] * stride_gk,
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                xt = tl.load(x_base + kk[:, None] * stride_xk,
+                             mask=valid_m[None, :] & k_ok[:, None], other=0.0)
+            acc_g = mma(wg, xt, acc_g, DOT_F32)
+            acc_u = mma(wu, xt, acc_u, DOT_F32)
+        h = gated_act(acc_g, acc_u, beta, beta_linear, ACT)
+        slot = row_m * TOPK + j_m
+        tl.store(h_ptr + slot[None, :].to(tl.int64) * stride_hr + offs_n[:, None],
+                 h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None] & valid_m[None, :])
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr,
+                     R, W, INTER, TOPK, expert_offset, E, n_tiles, k_tiles,
+                     stride_hr, stride_ir, stride_ij, stride_wr, stride_wj,
+                     stride_de, stride_dn, stride_dk, stride_yr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     CHUNKS: tl.constexpr, R_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                     E_PAD: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                     DOT_F32: tl.constexpr):
+    """y[r*k + j, n-tile] = weight[r, j] * (h[r*k + j] @ down[e].T) for the chunk's rows."""
+    pid = tl.program_id(0)
+    c = pid % CHUNKS
+    t = pid // CHUNKS
+    nt = t % n_tiles
+    u = t // n_tiles
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    e, row_m, j_m, valid_m, active = expert_rows(
+        ids_ptr, stride_ir, stride_ij, R, TOPK, expert_offset, E, u, c,
+        R_PAD, K_PAD, E_PAD, BLOCK_M)
+    if active:
+        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_ok = offs_n < W
+        slot = row_m * TOPK + j_m
+        d_base = dn_ptr + e.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn
+        h_base = h_ptr + slot[None, :].to(tl.int64) * stride_hr
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for i in range(0, k_tiles):
+            kk = i * BLOCK_K + offs_k
+            if EVEN_K:
+                wd = tl.load(d_base + kk[None, :] * stride_dk, mask=n_ok[:, None], other=0.0)
+                ht = tl.load(h_base + kk[:, None], mask=valid_m[None, :], other=0.0)
+            else:
+                k_ok = kk < INTER
+                wd = tl.load(d_base + kk[None, :] * stride_dk,
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                ht = tl.load(h_base + kk[:, None], mask=valid_m[None, :] & k_ok[:, None],
+                             other=0.0)
+            acc = mma(wd, ht, acc, DOT_F32)
+        wt = tl.load(wts_ptr + row_m * stride_wr + j_m * stride_wj, mask=valid_m, other=0.0)
+        y = acc * wt.to(tl.float32)[None, :]
+        tl.store(y_ptr + slot[None, :].to(tl.int64) * stride_yr + offs_n[:, None], y,
+                 mask=n_ok[:, None] & valid_m[None, :])
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, W, TOPK, expert_offset, E,
+                        stride_yr, stride_ir, stride_ij, stride_or, stride_on,
+                        BLOCK: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[r, cols] = sum over the row's experts held here of y[r*k + j, cols]."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    js = tl.arange(0, K_PAD)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    ids = tl.load(ids_ptr + row * stride_ir + js * stride_ij, mask=js < TOPK, other=-1)
+    local = ids - expert_offset
+    ok = (js < TOPK) & (local >= 0) & (local < E)
+    col_ok = offs < W
+    y = tl.load(y_ptr + (row * TOPK + js)[:, None].to(tl.int64) * stride_yr + offs[None, :],
+                mask=ok[:, None] & col_ok[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + row * stride_or + offs * stride_on,
+             tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, E, TOPK,
+                   stride_lr, stride_le, stride_ir, stride_ij, stride_wr, stride_wj,
+                   scaling,
+                   E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row: scores (sigmoid or softmax), top-k of ``scores + bias`` (largest first, the
+    lowest id among ties), the unbiased scores of the chosen, renormalised and scaled."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, E_PAD)
+    valid = offs < E
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    logits = tl.load(logits_ptr + row * stride_lr + offs * stride_le, mask=valid,
+                     other=float("-inf")).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if SOFTMAX:
+        top = tl.max(logits, 0)
+        ex = tl.where(valid, tl.exp(logits - top), 0.0)
+        scores = ex / tl.sum(ex, 0)
+    else:
+        scores = tl.sigmoid(logits)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + bias
+    choice = tl.where(valid, choice, float("-inf"))
+    ks = tl.arange(0, K_PAD)
+    chosen = tl.zeros([K_PAD], dtype=tl.int32)
+    weights = tl.zeros([K_PAD], dtype=tl.float32)
+    for i in range(0, TOPK):
+        best = tl.max(choice, 0)
+        index = tl.min(tl.where(choice == best, offs, E_PAD), 0)
+        hit = offs == index
+        chosen = tl.where(ks == i, index, chosen)
+        weights = tl.where(ks == i, tl.sum(tl.where(hit, scores, 0.0), 0), weights)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORM:
+        weights = weights / (tl.sum(weights, 0) + 1e-20)
+    weights = weights * scaling
+    k_ok = ks < TOPK
+    tl.store(ids_ptr + row * stride_ir + ks * stride_ij, chosen, mask=k_ok)
+    tl.store(wts_ptr + row * stride_wr + ks * stride_wj, weights, mask=k_ok)
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+
+@dataclass(frozen=True)
+class MoeTactic:
+    """Block sizes of the routed-expert launches: ``block_m`` rows a chunk (0: 16 or 32 from
+    the rows), ``block_n_gate_up`` columns of each of gate and up a program,
+    ``block_n_down`` output columns a down program, ``block_k``, ``stages``, ``warps``."""
+
+    block_m: int = 0
+    block_n_gate_up: int = 64
+    block_n_down: int = 64
+    block_k: int = 128
+    stages: int = 3
+    warps: int = 4
+
+    @classmethod
+    def from_mapping(cls, tactic: Mapping[str, Any] | None) -> MoeTactic:
+        """The tactic of a bin decision (any of the field names; others are ignored)."""
+        known = {f: int(tactic[f]) for f in cls.__dataclass_fields__ if tactic and f in tactic}
+        return cls(**known)
+
+
+def _stages(stages: int, stage_bytes: int) -> int:
+    return max(1, min(stages, SMEM_LIMIT // stage_bytes - 1))
+
+
+class RoutedExperts:
+    """A prepared routed-experts launch (three kernels) over bound tensors: ``x [R, W]``,
+    ``ids [R, k]`` int32, ``weights [R, k]`` float32, ``gate_up [E, 2I, W]``,
+    ``down [E, W, I]``, ``out [R, W]``; experts ``[expert_offset, expert_offset + E)`` are
+    held here. Calling it enqueues the launches. Capturable."""
+
+    def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor, *,
+                 activation: str, beta: float = 1.0, beta_linear: float = 1.0,
+                 expert_offset: int = 0, tactic: MoeTactic | None = None,
+                 pdl: bool = False) -> None:
+        rows, width = x.shape
+        experts, two_i, w_in = gate_up.shape
+        inter = two_i // 2
+        top_k = ids.shape[1]
+        if (w_in != width or two_i % 2 or tuple(down.shape) != (experts, width, inter)
+                or tuple(ids.shape) != (rows, top_k) or tuple(weights.shape) != (rows, top_k)
+                or tuple(out.shape) != (rows, width)):
+            raise UserError(f"routed experts: shapes do not fit: x {list(x.shape)}, ids "
+                            f"{list(ids.shape)}, weights {list(weights.shape)}, gate_up "
+                            f"{list(gate_up.shape)}, down {list(down.shape)}, out "
+                            f"{list(out.shape)}")
+        if rows > MAX_ROWS:
+            raise NotImplementedError(f"routed experts: {rows} rows > {MAX_ROWS}")
+        if activation not in ACTIVATIONS:
+            raise NotImplementedError(f"routed experts: activation {activation!r} is not one of "
+                            f"{sorted(ACTIVATIONS)}")
+        if gate_up.stride(2) != 1 or down.stride(2) != 1:
+            raise NotImplementedError("routed experts: expert weights must be contiguous in their "
+                            "last dim")
+        t = tactic or MoeTactic()
+        self.x, self.ids, self.weights, self.gate_up, self.down, self.out = (
+            x, ids, weights, gate_up, down, out)
+        self.rows, self.width, self.inter, self.top_k = rows, width, inter, top_k
+        self.experts, self.offset = experts, int(expert_offset)
+        self.act = ACTIVATIONS[activation]
+        self.beta, self.beta_linear = float(beta), float(beta_linear)
+        self.pdl = pdl_allowed(pdl, out.device)
+        self.dot_f32 = dot_in_f32(gate_up.dtype)
+        self.r_pad = max(2, next_pow2(rows))
+        self.k_pad = max(2, next_pow2(top_k))
+        self.e_pad = max(2, next_pow2(experts))
+        self.block_m = t.block_m or min(32, max(16, next_pow2(rows)))
+        self.chunks = triton.cdiv(rows, self.block_m)
+        self.active = min(experts, rows * top_k)
+        self.block_k = max(16, next_pow2(t.block_k))
+        self.bn_gu = max(16, next_pow2(t.block_n_gate_up))
+        self.bn_dn = max(16, next_pow2(t.block_n_down))
+        self.warps = t.warps
+        self.stages_gu = _stages(t.stages, (2 * self.bn_gu + self.block_m) * self.block_k * 2)
+        self.stages_dn = _stages(t.stages, (self.bn_dn + self.block_m) * self.block_k * 2)
+        self.tiles_gu = triton.cdiv(inter, self.bn_gu)
+        self.tiles_dn = triton.cdiv(width, self.bn_dn)
+        slots = rows * top_k
+        self.h = scratch(out.device, "moe_h", slots * inter, torch.bfloat16).view(slots, inter)
+        self.y = scratch(out.device, "moe_y", slots * width, torch.float32).view(slots, width)
+
+    def __call__(self) -> None:
+        """Enqueue gate_up + activation, down + routing weight, combine."""
+        if self.rows == 0:
+            return
+        x, ids, wts, gu, dn, out, h, y = (self.x, self.ids, self.weights, self.gate_up,
+                                          self.down, self.out, self.h, self.y)
+        common = dict(CHUNKS=self.chunks, R_PAD=self.r_pad, K_PAD=self.k_pad,
+                      E_PAD=self.e_pad, BLOCK_M=self.block_m, BLOCK_K=self.block_k,
+                      USE_PDL=self.pdl, DOT_F32=self.dot_f32, num_warps=self.warps,
+                      launch_pdl=self.pdl)
+        _moe_gate_up_kernel[(self.active * self.tiles_gu * self.chunks,)](
+            x, ids, gu, h, self.rows, self.width, self.inter, self.top_k, self.offset,
+            self.experts, self.tiles_gu, triton.cdiv(self.width, self.block_k),
+            x.stride(0), x.stride(1), ids.stride(0), ids.stride(1),
+            gu.stride(0), gu.stride(1), gu.stride(2), h.stride(0),
+            self.beta, self.beta_linear,
+            BLOCK_N=self.bn_gu, ACT=self.act, EVEN_K=self.width % self.block_k == 0,
+            num_stages=self.stages_gu, **common)
+        _moe_down_kernel[(self.active * self.tiles_dn * self.chunks,)](
+            h, ids, wts, dn, y, self.rows, self.width, self.inter, self.top_k, self.offset,
+            self.experts, self.tiles_dn, triton.cdiv(self.inter, self.block_k),
+            h.stride(0), ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
+            dn.stride(0), dn.stride(1), dn.stride(2), y.stride(0),
+            BLOCK_N=self.bn_dn, EVEN_K=self.inter % self.block_k == 0,
+            num_stages=self.stages_dn, **common)
+        _moe_combine_kernel[(self.rows, triton.cdiv(self.width, COMBINE_BLOCK))](
+            y, ids, out, self.width, self.top_k, self.offset, self.experts,
+            y.stride(0), ids.stride(0), ids.stride(1), out.stride(0), out.stride(1),
+            BLOCK=COMBINE_BLOCK, K_PAD=self.k_pad, USE_PDL=self.pdl, num_warps=4,
+            launch_pdl=self.pdl)
+
+
+class Router:
+    """A prepared router launch: ``logits [R, E]`` (float32, may be a strided view),
+    optional correction ``bias [E]`` -> ``ids [R, k]`` int32 and ``weights [R, k]``."""
+
+    def __init__(self, logits: torch.Tensor, bias: torch.Tensor | None, ids: torch.Tensor,
+                 weights: torch.Tensor, *, top_k: int, score: str, renormalize: bool,
+                 scaling: float, pdl: bool = False) -> None:
+        rows, experts = logits.shape
+        if tuple(ids.shape) != (rows, top_k) or tuple(weights.shape) != (rows, top_k):
+            raise UserError(f"router: outputs {list(ids.shape)} / {list(weights.shape)} do "
+                            f"not hold {rows} rows x top-{top_k}")
+        if score not in ("sigmoid", "softmax"):
+            raise NotImplementedError(f"router: score {score!r} is not sigmoid or softmax")
+        if top_k > experts:
+            raise UserError(f"router: top-{top_k} of {experts} experts")
+        if bias is not None and tuple(bias.shape) != (experts,):
+            raise UserError(f"router: bias {list(bias.shape)} for {experts} experts")
+        self.logits, self.bias, self.ids, self.weights = logits, bias, ids, weights
+        self.rows, self.experts, self.top_k = rows, experts, top_k
+        self.softmax, self.renorm, self.scaling = score == "softmax", renormalize, scaling
+        self.pdl = pdl_allowed(pdl, logits.device)
+        self.e_pad = max(2, next_pow2(experts))
+        self.k_pad = max(2, next_pow2(top_k))
+        self.warps = 4 if self.e_pad <= 512 else 8
+
+    def __call__(self) -> None:
+        """Enqueue the launch (one program a row)."""
+        if self.rows == 0:
+            return
+        lg, ids, wts = self.logits, self.ids, self.weights
+        bias = self.bias if self.bias is not None else lg
+        _router_kernel[(self.rows,)](
+            lg, bias, ids, wts, self.experts, self.top_k,
+            lg.stride(0), lg.stride(1), ids.stride(0), ids.stride(1), wts.stride(0),
+            wts.stride(1), float(self.scaling),
+            E_PAD=self.e_pad, K_PAD=self.k_pad, SOFTMAX=self.softmax,
+            HAS_BIAS=self.bias is not None, RENORM=bool(self.renorm), USE_PDL=self.pdl,
+            num_warps=self.warps, launch_pdl=self.pdl)

@@ -1,0 +1,250 @@
+"""Split-K skinny GEMM for decode projections: ``out[R, N] = x[R, K] @ w[N, K].T`` for a few
+rows (1..64), BF16 operands, float32 accumulation, written in the output's dtype (BF16, or
+float32 for the MoE front) through its strides (a column slice of a packed output works).
+
+Kernel 1 (``_splitk_kernel``): one program per (tile of ``m_tile`` weight rows, K split,
+tile of batch rows). It computes ``w_tile @ x_tile.T`` (the weight tile is the MMA's large
+operand, the batch rows its narrow one), loading its first ``pre`` weight tiles *before*
+``gdc_wait()`` (weights never depend on the predecessor), then the activations. With one
+split it writes the output; with more it writes float32 partials ``[split, R, N]`` to a
+shared scratch buffer and kernel 2 (``_splitk_reduce_kernel``) sums them in split order
+(deterministic) into the output. Both are launched with PDL when allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from stepgraph.errors import UserError
+from stepgraph.runtime.kernels.launch_utils import dot_in_f32, next_pow2, pdl_allowed, scratch
+
+SMEM_LIMIT = 232448  # bytes of shared memory one program may use (H100/H200: 227 KB)
+REDUCE_BLOCK = 1024
+
+
+@triton.jit
+def mma(a, b, acc, DOT_F32: tl.constexpr):
+    """``acc + a @ b`` with BF16 operands (float32 ones under the interpreter or for float32
+    weights) and float32 accumulation."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr,
+                   R, N, K, tiles_per_split,
+                   stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
+                   BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT: tl.constexpr, PRE: tl.constexpr, EVEN_K: tl.constexpr,
+                   USE_PDL: tl.constexpr, DOT_F32: tl.constexpr):
+    """Partial (or whole, SPLIT == 1) ``x @ w.T`` of one weight tile, K split, row tile.
+
+    ``EVEN_K``: K is a multiple of BLOCK_K, so the main loop needs no K mask (a K mask of
+    unknown alignment keeps Triton from pipelining the loads)."""
+    pid_w = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_lo = pid_s * tiles_per_split * BLOCK_K  # a multiple of BLOCK_K: aligned loads
+    k_hi = k_lo + tiles_per_split * BLOCK_K
+    if k_hi > K:
+        k_hi = K
+    tiles = tl.cdiv(k_hi - k_lo, BLOCK_K)
+    w_rows = offs_w < N
+    x_rows = offs_r < R
+    w_base = w_ptr + offs_w[:, None] * stride_wn
+    x_base = x_ptr + offs_r[None, :] * stride_xr
+
+    # The first weight tiles never depend on the predecessor: load them before the PDL
+    # wait, so that the predecessor's tail overlaps this kernel's first HBM reads.
+    k0 = k_lo + offs_k
+    w0 = tl.load(w_base + k0[None, :] * stride_wk,
+                 mask=w_rows[:, None] & (k0 < k_hi)[None, :], other=0.0)
+    if PRE >= 2:
+        k1 = k0 + BLOCK_K
+        w1 = tl.load(w_base + k1[None, :] * stride_wk,
+                     mask=w_rows[:, None] & (k1 < k_hi)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+    acc = tl.zeros([BLOCK_W, BLOCK_R], dtype=tl.float32)
+    x0 = tl.load(x_base + k0[:, None] * stride_xk,
+                 mask=x_rows[None, :] & (k0 < k_hi)[:, None], other=0.0)
+    acc = mma(w0, x0, acc, DOT_F32)
+    if PRE >= 2:
+        x1 = tl.load(x_base + k1[:, None] * stride_xk,
+                     mask=x_rows[None, :] & (k1 < k_hi)[:, None], other=0.0)
+        acc = mma(w1, x1, acc, DOT_F32)
+
+    for i in range(PRE, tiles):
+        kk = k_lo + i * BLOCK_K + offs_k
+        if EVEN_K:
+            w = tl.load(w_base + kk[None, :] * stride_wk, mask=w_rows[:, None], other=0.0)
+            x = tl.load(x_base + kk[:, None] * stride_xk, mask=x_rows[None, :], other=0.0)
+        else:
+            w = tl.load(w_base + kk[None, :] * stride_wk,
+                        mask=w_rows[:, None] & (kk < k_hi)[None, :], other=0.0)
+            x = tl.load(x_base + kk[:, None] * stride_xk,
+                        mask=x_rows[None, :] & (kk < k_hi)[:, None], other=0.0)
+        acc = mma(w, x, acc, DOT_F32)
+
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    mask = w_rows[:, None] & x_rows[None, :]
+    if SPLIT == 1:
+        ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + (pid_s * R + offs_r[None, :]) * N + offs_w[:, None]
+        tl.store(ws, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(ws_ptr, out_ptr, R, N, stride_or, stride_on,
+                          SPLIT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """``out[r, n] = sum_s ws[s, r, n]`` in split order, cast to the output's dtype."""
+    pid_n = tl.program_id(0)
+    row = tl.program_id(1)
+    offs = pid_n * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(ws_ptr + (s * R + row).to(tl.int64) * N + offs, mask=mask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tl.store(out_ptr + row.to(tl.int64) * stride_or + offs * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@dataclass(frozen=True)
+class SplitKTactic:
+    """A split-K tactic: ``m_tile`` weight rows and ``n_tile`` batch rows a program,
+    ``split`` K splits, ``stages`` pipeline stages; ``k_tile`` (0: 16 KB weight tiles),
+    ``warps`` and ``pre`` (weight tiles loaded before the PDL wait) refine it."""
+
+    m_tile: int = 128
+    n_tile: int = 16
+    split: int = 1
+    stages: int = 4
+    k_tile: int = 0
+    warps: int = 4
+    pre: int = 2
+
+    @classmethod
+    def from_mapping(cls, tactic: Mapping[str, Any] | None, rows: int) -> SplitKTactic:
+        """The tactic of a bin decision (``{m_tile, n_tile, split, stages}``, optional
+        ``k_tile``, ``warps``, ``pre``); an empty mapping gives a default for ``rows``."""
+        if not tactic:
+            return cls(n_tile=min(64, max(16, next_pow2(rows))))
+        known = {f: int(tactic[f]) for f in cls.__dataclass_fields__ if f in tactic}
+        return cls(**known)
+
+
+@dataclass(frozen=True)
+class SplitKPlan:
+    """The launch geometry a tactic gives for one problem."""
+
+    block_w: int
+    block_r: int
+    block_k: int
+    split: int
+    k_per_split: int
+    stages: int
+    warps: int
+    pre: int
+    grid: tuple[int, int, int]
+
+
+def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
+    """Block sizes, K range per split, pipeline depth (shrunk to the shared-memory budget)
+    and grid of ``tactic`` on an ``x[rows, k] @ w[n, k].T`` problem."""
+    for name in ("m_tile", "n_tile", "split", "stages"):
+        if getattr(tactic, name) < 1:
+            raise UserError(f"split-K tactic {tactic}: {name} must be positive")
+    block_w = max(16, next_pow2(tactic.m_tile))
+    block_r = max(16, min(next_pow2(tactic.n_tile), next_pow2(rows)))
+    block_k = tactic.k_tile or min(256, max(32, 16384 // (2 * block_w)))
+    block_k = max(16, next_pow2(block_k))
+    split = max(1, min(tactic.split, triton.cdiv(k, block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)
+    stage_bytes = (block_w + block_r) * block_k * 2
+    # Triton's pipeliner keeps stages + 1 tiles of w and x in shared memory (checked on
+    # sm_90 compiles of the H200 table's tactics): cap the stages to fit.
+    stages = max(1, min(tactic.stages, SMEM_LIMIT // stage_bytes - 1))
+    grid = (triton.cdiv(n, block_w), split, triton.cdiv(rows, block_r))
+    return SplitKPlan(block_w, block_r, block_k, split, k_per_split, stages,
+                      max(1, tactic.warps), max(1, min(2, tactic.pre)), grid)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 2 or out.dim() != 2:
+        raise UserError(f"split-K GEMM wants 2-D x, w, out; got {list(x.shape)}, "
+                        f"{list(w.shape)}, {list(out.shape)}")
+    rows, k = x.shape
+    if w.shape[1] != k or tuple(out.shape) != (rows, w.shape[0]):
+        raise UserError(f"split-K GEMM shapes do not chain: x {list(x.shape)} @ "
+                        f"w {list(w.shape)}.T -> out {list(out.shape)}")
+    if len({x.device, w.device, out.device}) != 1:
+        raise UserError("split-K GEMM: x, w and out must be on one device")
+
+
+class SplitKGemm:
+    """A prepared ``out = x @ w.T`` (all three bound once); calling it enqueues the launch
+    (one kernel, two with split > 1) on the current stream. Capturable."""
+
+    def __init__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                 tactic: SplitKTactic, pdl: bool = False) -> None:
+        _check(x, w, out)
+        self.x, self.w, self.out = x, w, out
+        rows, k = x.shape
+        n = w.shape[0]
+        self.rows, self.n, self.k = rows, n, k
+        self.plan = plan_splitk(rows, n, k, tactic)
+        self.pdl = pdl_allowed(pdl, out.device)
+        self.dot_f32 = dot_in_f32(w.dtype)
+        if self.plan.split > 1:
+            self.ws = scratch(out.device, "splitk", self.plan.split * rows * n, torch.float32)
+        else:
+            self.ws = out  # unused by the kernel with SPLIT == 1
+
+    def __call__(self) -> None:
+        """Enqueue the launch(es)."""
+        p, x, w, out = self.plan, self.x, self.w, self.out
+        if self.rows == 0:
+            return
+        _splitk_kernel[p.grid](
+            x, w, out, self.ws, self.rows, self.n, self.k, p.k_per_split // p.block_k,
+            x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+            BLOCK_W=p.block_w, BLOCK_R=p.block_r, BLOCK_K=p.block_k, SPLIT=p.split,
+            PRE=p.pre, EVEN_K=self.k % p.block_k == 0, USE_PDL=self.pdl,
+            DOT_F32=self.dot_f32,
+            num_warps=p.warps, num_stages=p.stages, launch_pdl=self.pdl)
+        if p.split > 1:
+            grid = (triton.cdiv(self.n, REDUCE_BLOCK), self.rows)
+            _splitk_reduce_kernel[grid](
+                self.ws, out, self.rows, self.n, out.stride(0), out.stride(1),
+                SPLIT=p.split, BLOCK=REDUCE_BLOCK, USE_PDL=self.pdl, num_warps=4,
+                launch_pdl=self.pdl)
+
+
+def splitk_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                tactic: SplitKTactic | Mapping[str, Any] | None = None,
+                pdl: bool = False) -> torch.Tensor:
+    """One-off ``out = x @ w.T`` with ``tactic`` (a :class:`SplitKTactic`, a bin decision's
+    mapping, or None for a default); returns ``out``."""
+    if not isinstance(tactic, SplitKTactic):
+        tactic = SplitKTactic.from_mapping(tactic, x.shape[0])
+    SplitKGemm(x, w, out, tactic, pdl)()
+    return out

@@ -1,0 +1,267 @@
+"""Measure the projection tactic table on the GPU: for every distinct projection shape of an
+artifact (the per-rank ``(N, K)`` of its projection / o_proj weights) and every bin, time
+cuBLAS and a small grid of split-K tactics, and write a tactic table file (the format of
+``stepgraph/data/tactics/<target>.yaml``) whose projection rows hold the fastest choice per
+bin, each row's ``source`` saying where and when it was measured.
+
+Timing: each candidate runs as a CUDA graph of back-to-back launches (split-K with PDL, as
+the runtime launches it) over rotating copies of the weight and activations (more bytes than
+twice the L2, so the L2 never holds the next launch's weight), warmed first; the median over
+replays, per launch, is reported (CUDA events). cuBLAS is timed as ``torch.matmul`` into a
+BF16 output (the weight stream it reads is the same for a float32 output).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from stepgraph.errors import UserError
+from stepgraph.ir.graph import Graph
+
+PROJECTION_OPS = ("projection", "o_proj")
+ROTATE_BYTES = 128 << 20  # rotating inputs: at least this many weight bytes (> 2x a 50 MB L2)
+MAX_COPIES = 64
+
+
+@dataclass(frozen=True)
+class ProjShape:
+    """A projection's per-rank weight shape ``n x k`` and output dtype (IR name)."""
+
+    n: int
+    k: int
+    out_dtype: str
+
+
+@dataclass
+class Measurement:
+    """Times (microseconds a launch) of cuBLAS and of each split-K tactic on one shape and
+    row count, and the winner."""
+
+    shape: ProjShape
+    rows: int
+    cublas_us: float
+    splitk_us: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
+
+    @property
+    def best(self) -> tuple[str, tuple[int, int, int, int] | None, float]:
+        """``("cublas", None, us)`` or ``("splitk", tactic, us)``, whichever is fastest."""
+        choice: tuple[str, tuple[int, int, int, int] | None, float] = (
+            "cublas", None, self.cublas_us)
+        for tactic, us in sorted(self.splitk_us.items()):
+            if us < choice[2]:
+                choice = ("splitk", tactic, us)
+        return choice
+
+
+def projection_shapes(graph: Graph) -> list[ProjShape]:
+    """The distinct per-rank projection shapes of a compiled graph, in graph order."""
+    shapes: dict[tuple[int, int], ProjShape] = {}
+    for node in graph:
+        if node.op not in PROJECTION_OPS:
+            continue
+        n, k = graph.values[node.inputs[1]].type.shape
+        out = graph.values[node.outputs[0]].type.dtype
+        if isinstance(n, int) and isinstance(k, int):
+            shapes.setdefault((n, k), ProjShape(n, k, out))
+    return list(shapes.values())
+
+
+def candidate_tactics(rows: int, k: int, quick: bool = False
+                      ) -> list[tuple[int, int, int, int]]:
+    """The split-K grid tried at ``rows``: m_tile 64 / 128, split 1..8 (while each split
+    keeps at least two K tiles), stages 4 / 6 (4 only when ``quick``); n_tile = the rows
+    (8..64)."""
+    n_tile = max(8, min(64, 1 << max(0, (rows - 1).bit_length())))
+    out = []
+    for m_tile in (64, 128):
+        k_tile = 16384 // (2 * m_tile)
+        for split in ((1, 2, 4) if quick else (1, 2, 4, 8)):
+            if split > 1 and k // split < 2 * k_tile:
+                continue
+            for stages in ((4,) if quick else (4, 6)):
+                out.append((m_tile, n_tile, split, stages))
+    return out
+
+
+def _copies(weight_bytes: int) -> int:
+    return max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / max(weight_bytes, 1))))
+
+
+def time_launches(launches: Sequence[Callable[[], None]], repeats: int = 3,
+                  replays: int = 15) -> float:
+    """Median microseconds per launch of ``launches`` (run ``repeats`` times in order) as
+    one captured CUDA graph, over ``replays`` timed replays after warm-up."""
+    for launch in launches:  # compile and warm outside the capture
+        launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            for launch in launches:
+                launch()
+    for _ in range(3):
+        graph.replay()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000.0 / (repeats * len(launches)))
+    del graph
+    return statistics.median(times)
+
+
+def measure(shape: ProjShape, rows: int, tactics: Iterable[tuple[int, int, int, int]],
+            device: torch.device, seed: int = 0) -> Measurement:
+    """Time cuBLAS and each split-K tactic on ``shape`` at ``rows`` rows."""
+    from stepgraph.runtime.kernels.splitk_gemm import SplitKGemm, SplitKTactic
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    copies = _copies(shape.n * shape.k * 2)
+    ws = [(torch.randn(shape.n, shape.k, device=device, generator=gen) / shape.k ** 0.5)
+          .to(torch.bfloat16) for _ in range(copies)]
+    xs = [torch.randn(rows, shape.k, device=device, generator=gen).to(torch.bfloat16)
+          for _ in range(copies)]
+    out_dtype = torch.float32 if shape.out_dtype == "float32" else torch.bfloat16
+    outs = [torch.empty(rows, shape.n, device=device, dtype=out_dtype) for _ in range(copies)]
+    bf16_outs = [torch.empty(rows, shape.n, device=device, dtype=torch.bfloat16)
+                 for _ in range(copies)]
+
+    def cublas(i: int) -> Callable[[], None]:
+        return lambda: torch.matmul(xs[i], ws[i].t(), out=bf16_outs[i])
+
+    result = Measurement(shape, rows, time_launches([cublas(i) for i in range(copies)]))
+    for tactic in tactics:
+        launches = [SplitKGemm(xs[i], ws[i], outs[i], SplitKTactic(*tactic), pdl=True)
+                    for i in range(copies)]
+        result.splitk_us[tactic] = time_launches(launches)
+    return result
+
+
+def table_rows(results: Sequence[Measurement], tp: int, q: int, source: str
+               ) -> list[dict[str, Any]]:
+    """Projection table rows (the tactic file's format) from measurements: one row per
+    shape, each bin's fastest choice."""
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    for m in results:
+        key = (m.shape.n, m.shape.k)
+        if key not in rows:
+            match: dict[str, int] = {"n": m.shape.n, "k": m.shape.k, "tp": tp}
+            if q > 1:
+                match["q"] = q
+            rows[key] = {"match": match, "source": source, "bins": {}}
+        provider, tactic, _ = m.best
+        rows[key]["bins"][m.rows] = list(tactic) if tactic is not None else provider
+    for row in rows.values():
+        row["bins"] = dict(sorted(row["bins"].items()))
+    return list(rows.values())
+
+
+def write_table(base_path: Path, measured: list[dict[str, Any]], out: Path, label: str,
+                date: str) -> None:
+    """Write ``base_path``'s table with ``measured`` projection rows first (the first match
+    wins) and the base rows of other shapes kept after them."""
+    data = yaml.safe_load(base_path.read_text(encoding="utf-8"))
+    table = data["tactics"]["projection"]
+    done = {(r["match"]["n"], r["match"]["k"], r["match"]["tp"], r["match"].get("q"))
+            for r in measured}
+    kept = [r for r in table.get("rows", [])
+            if (r["match"].get("n"), r["match"].get("k"), r["match"].get("tp"),
+                r["match"].get("q")) not in done]
+    table["rows"] = measured + kept
+    base_version = data["version"]
+    data["version"] = f"{base_version}+tune-{date}"
+    data["description"] = (f"Projection rows of {len(measured)} shapes {label}; everything "
+                           f"else from {base_path.name} ({base_version}): "
+                           f"{' '.join(str(data['description']).split())}")
+    header = (f"# Tactic tables written by `stepgraph tune` {date} from {base_path.name}\n"
+              f"# (projection rows {label}; everything else as in {base_path.name}).\n")
+    text = yaml.dump(data, Dumper=_TableDumper, sort_keys=False, width=100,
+                     default_flow_style=False)
+    out.write_text(header + text, encoding="utf-8")
+
+
+class _TableDumper(yaml.SafeDumper):
+    """YAML with tactic lists ([m_tile, n_tile, split, stages]) and match maps inline."""
+
+
+def _inline_list(dumper: yaml.SafeDumper, value: list[Any]) -> yaml.Node:
+    flow = all(isinstance(v, int | str) for v in value)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=flow)
+
+
+_TableDumper.add_representer(list, _inline_list)
+
+
+def require_cuda() -> torch.device:
+    """The CUDA device to tune on; a UserError where there is none (or no triton)."""
+    if not torch.cuda.is_available():
+        raise UserError("stepgraph tune measures on a CUDA GPU and none is available here; "
+                        "run it on the GPU machine")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise UserError("stepgraph tune needs triton (the split-K kernels) installed") from None
+    return torch.device("cuda")
+
+
+def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None = None,
+         quick: bool = False, show_progress: bool = True) -> list[Measurement]:
+    """Measure the projection shapes of an artifact at ``bins`` (default: its specialized
+    bins) and write the table file ``out``; returns the measurements."""
+    device = require_cuda()
+    from stepgraph.artifact import load_artifact
+    from stepgraph.runtime.progress import progress
+    from stepgraph.tactics import load_tables, table_path
+
+    artifact = load_artifact(artifact_path)
+    graph = artifact.graph
+    deployment = artifact.deployment
+    target = deployment.get("target", "default")
+    planned = [b["rows"] for b in graph.meta.get("bins", []) if b.get("path") != "stock"]
+    rows_list = sorted(set(bins or planned or deployment.get("batches", [])))
+    if not rows_list or min(rows_list) < 1:
+        raise UserError(f"--bins {rows_list}: give positive row counts")
+    shapes = projection_shapes(graph)
+    if not shapes:
+        raise UserError(f"{artifact_path}: the plan has no projection to tune")
+    tp = int(graph.meta.get("groups", {}).get("tp", 1))
+    q = int(deployment.get("q", 1))
+    gpu = torch.cuda.get_device_name(device)
+    date = datetime.date.today().isoformat()
+    jobs = [(shape, rows) for shape in shapes for rows in rows_list]
+    results = []
+    with torch.inference_mode(), progress(len(jobs), "tune", show_progress) as advance:
+        for index, (shape, rows) in enumerate(jobs):
+            tactics = candidate_tactics(rows, shape.k, quick)
+            results.append(measure(shape, rows, tactics, device, seed=index))
+            kind, tactic, us = results[-1].best
+            advance(1, f"{shape.n}x{shape.k} rows {rows}: {kind} {tactic or ''} {us:.1f} us")
+    label = f"measured on {gpu} {date} by stepgraph tune"
+    rows_out = table_rows(results, tp, q, label)
+    out_path = Path(out)
+    write_table(table_path(target), rows_out, out_path, label, date)
+    load_tables(target, path=out_path)  # the file must load as a valid table
+    return results
+
+
+def summary(results: Sequence[Measurement]) -> str:
+    """A text table: shape, rows, cuBLAS time, best split-K time and tactic, the choice."""
+    lines = [f"{'shape':>16} {'rows':>4} {'cublas us':>9} {'splitk us':>9}  best tactic"]
+    for m in results:
+        tactic, us = min(m.splitk_us.items(), key=lambda item: item[1], default=(None, math.nan))
+        kind = m.best[0]
+        lines.append(f"{m.shape.n:>7}x{m.shape.k:<8} {m.rows:>4} {m.cublas_us:>9.2f} "
+                     f"{us:>9.2f}  {list(tactic) if tactic else '-'} -> {kind}")
+    return "\n".join(lines)

@@ -1,0 +1,503 @@
+"""The dense Triton providers (``splitk`` projections, ``triton`` rmsnorm / add /
+attn_res_mix) against the reference executor's op functions on fresh random inputs.
+
+CPU, interpreter: this file run as a script in a subprocess with ``TRITON_INTERPRET=1``
+(small shapes: split > 1, K not a multiple of the K tile, several row tiles, strided inputs
+and outputs, float32 output, the registered provider factories).
+CPU, sm_90 compiles: every launch at K3 per-rank shapes and the H200 table's tactics
+compiles for sm_90 without spills, inside the shared-memory limit, with a pipelined main
+loop, ``griddepcontrol.wait`` and weight loads issued before it.
+GPU (``-m gpu``): K3 per-rank shapes, rows 1..64, BF16 against the float32 reference
+(||out - ref|| / ||ref|| < 1e-2, no NaN, outputs poisoned with NaN first), eager and
+inside a captured CUDA graph with PDL, replayed on fresh inputs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from triton_check import (  # noqa: E402
+    Replayer,
+    context,
+    explain,
+    has_triton,
+    node_of,
+    patch_interpreter,
+    ref_op,
+    rel_err,
+    run_script,
+    sm90_compiles,
+)
+
+HERE = Path(__file__).resolve()
+TOL_BF16 = 1e-2
+TOL_F32 = 5e-4  # float32 outputs (the MoE front): far under a BF16 rounding (~2e-3)
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+# (n, k, out dtype, tactics [m_tile, n_tile, split, stages]: the H200 table's rows of that
+# shape, where it has them, and a few more)
+K3_PROJECTIONS = (
+    (6288, 7168, "bfloat16", ((128, 8, 2, 6), (128, 16, 2, 6), (128, 32, 2, 5), (64, 64, 1, 6))),
+    (3648, 7168, "bfloat16", ((64, 8, 4, 8), (64, 16, 2, 10), (64, 32, 2, 8), (64, 64, 2, 5))),
+    (560, 7168, "float32", ((64, 8, 4, 8), (32, 16, 8, 6), (64, 64, 2, 5))),
+    (7168, 1536, "bfloat16", ((128, 16, 1, 4), (64, 16, 2, 6), (64, 64, 1, 4))),
+)
+
+needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed")
+
+
+def _dtype(name: str) -> Any:
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def _tactic(t: tuple[int, ...]) -> dict[str, int]:
+    return dict(zip(("m_tile", "n_tile", "split", "stages"), t, strict=True))
+
+
+# ----------------------------------------------------------------------------- checks
+# Each check builds fresh random inputs on ``device``, runs the provider and compares with
+# the reference op in float32; it raises AssertionError with the shapes on a mismatch.
+
+
+def check_projection(rows: int, n: int, k: int, tactic: dict[str, int], out_dtype: Any,
+                     device: str, pdl: bool = False, strided: bool = True,
+                     seed: int = 0) -> float:
+    """The splitk provider: x (a column view when ``strided``) @ W.T into a column view of
+    a NaN-poisoned wider buffer; returns the relative error."""
+    from stepgraph.runtime.providers.triton_dense import _projection
+
+    gen = torch.Generator().manual_seed(seed)
+    pad = 5 if strided else 0
+    xs = torch.randn(rows, k + 2 * pad, generator=gen).to(torch.bfloat16).to(device)
+    x = xs[:, pad:pad + k]
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(device)
+    base = torch.full((rows, n + 2 * pad), float("nan"), dtype=out_dtype, device=device)
+    out = base[:, pad:pad + n]
+    node = node_of("projection", 2, 1)
+    launch = _projection(context(node, [x, w, out], pdl=pdl, tactic=tactic))
+    launch()
+    ref = ref_op("projection", [x.float(), w.float()], {}, [torch.float32])[0]
+    err = rel_err(out, ref)
+    where = (f"projection rows={rows} n={n} k={k} tactic={tactic} out={out_dtype} "
+             f"strided={strided} pdl={pdl}")
+    tol = TOL_F32 if out_dtype == torch.float32 else TOL_BF16
+    assert not torch.isnan(out).any(), f"{where}: NaN (unwritten) in the output"
+    assert err < tol, f"{where}: relative error {err:.3e} >= {tol}"
+    if pad:
+        assert torch.isnan(base[:, :pad]).all() and torch.isnan(base[:, pad + n:]).all(), \
+            f"{where}: wrote outside the output view"
+    return err
+
+
+def _poisoned(rows: int, width: int, dtype: Any, device: str, pad: int = 0) -> Any:
+    base = torch.full((rows, width + 2 * pad), float("nan"), dtype=dtype, device=device)
+    return base[:, pad:pad + width]
+
+
+def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
+                    seed: int = 0) -> dict[str, float]:
+    """rmsnorm (bf16 and float32 inputs, strided), add (2 and 3 operands), attn_res_mix
+    (1, 3 and 6 sources of different scales) through the triton providers."""
+    from stepgraph.runtime.providers import triton_dense as td
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 1.0, dtype: Any = torch.bfloat16) -> Any:
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+    errors: dict[str, float] = {}
+    weight = rnd(width, scale=0.5)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = rnd(rows, width + 3, scale=3.0, dtype=dtype)[:, 1:1 + width]
+        out = _poisoned(rows, width, torch.bfloat16, device, pad=2)
+        node = node_of("rmsnorm", 2, 1, eps=1e-5)
+        td.rmsnorm(context(node, [x, weight, out], pdl=pdl))()
+        ref = ref_op("rmsnorm", [x.float(), weight.float()], {"eps": 1e-5}, [torch.float32])[0]
+        errors[f"rmsnorm[{dtype}]"] = rel_err(out, ref)
+    for count in (2, 3):
+        srcs = [rnd(rows, width + 4, scale=i + 1.0)[:, 2:2 + width] for i in range(count)]
+        out = _poisoned(rows, width, torch.bfloat16, device)
+        td.add(context(node_of("add", count, 1), [*srcs, out], pdl=pdl))()
+        ref = ref_op("add", [s.float() for s in srcs], {}, [torch.float32])[0]
+        errors[f"add[{count}]"] = rel_err(out, ref)
+    query, norm = rnd(width), rnd(width, scale=0.3)
+    for count in (1, 3, 6):
+        srcs = [rnd(rows, width, scale=0.5 + i) for i in range(count)]
+        attrs = {"sources": count, "eps": 1e-6}
+        out = _poisoned(rows, width, torch.bfloat16, device)
+        node = node_of("attn_res_mix", count + 2, 1, **attrs)
+        td.attn_res_mix(context(node, [*srcs, query, norm, out], pdl=pdl))()
+        ref = ref_op("attn_res_mix", [s.float() for s in srcs] + [query.float(), norm.float()],
+                     attrs, [torch.float32])[0]
+        errors[f"attn_res_mix[{count}]"] = rel_err(out, ref)
+    bad = {name: e for name, e in errors.items() if not e < TOL_BF16}
+    assert not bad, f"small ops rows={rows} width={width} pdl={pdl}: errors {bad} (NaN: unwritten)"
+    return errors
+
+
+# ----------------------------------------------------------------------------- interpreter
+
+
+def interpreter_projection() -> None:
+    """Small projections in the interpreter."""
+    cases = [
+        (1, 70, 96, (32, 16, 1, 2), torch.bfloat16, True),
+        (3, 50, 200, (16, 16, 3, 2), torch.bfloat16, True),   # K % k_tile != 0, 3 splits
+        (17, 40, 64, (32, 16, 2, 2), torch.float32, True),    # 2 row tiles, float32 out
+        (5, 33, 256, (64, 8, 4, 3), torch.bfloat16, False),   # even K, 4 splits
+        (64, 48, 128, (16, 64, 2, 2), torch.bfloat16, True),
+        (2, 24, 48, (16, 16, 8, 2), torch.bfloat16, True),    # more splits than K tiles
+    ]
+    for seed, (rows, n, k, t, dtype, strided) in enumerate(cases):
+        tactic = _tactic(t)
+        tactic["k_tile"] = 32 if k >= 64 else 16
+        err = check_projection(rows, n, k, tactic, dtype, "cpu", strided=strided, seed=seed)
+        print(f"projection rows={rows} n={n} k={k} {t} {dtype}: {err:.2e}")
+    err = check_projection(4, 40, 64, {}, torch.bfloat16, "cpu", seed=9)  # empty tactic
+    print(f"projection default tactic: {err:.2e}")
+
+
+def interpreter_small_ops() -> None:
+    """rmsnorm / add / attn_res_mix in the interpreter, and a chain of them with GEMMs."""
+    for rows, width in ((3, 64), (5, 100), (2, 2500)):
+        print(rows, width, check_small_ops(rows, width, "cpu", seed=rows))
+    for rows in (1, 3):
+        check_chain(rows, "cpu", hidden=192, n1=160, n2=192, inner=96, replays=2)
+        print(f"chain rows={rows}: ok")
+
+
+def interpreter_runtime() -> None:
+    """tiny_k3 through the runtime on CPU with these providers (registered for the CPU here;
+    ``splitk`` standing in for every cuBLAS projection) against the reference executor over
+    a few decode steps with padded rows."""
+    import numpy as np
+    from conftest import MODELS
+
+    from stepgraph.compiler import compile_graph
+    from stepgraph.lower.decode import DecodeRunner, run_prompts
+    from stepgraph.lower.weights import random_weights
+    from stepgraph.runtime import load
+    from stepgraph.runtime.decode import CompiledDecodeRunner
+    from stepgraph.runtime.providers import REGISTRY, load_providers
+    from stepgraph.runtime.providers import triton_dense as td
+    from stepgraph.runtime.providers import triton_moe as tm
+    from stepgraph.runtime.providers.registry import ProviderEntry
+    from stepgraph.spec_loader import load_spec, override_deployment
+
+    load_providers()
+    for op, provider, factory in (
+            ("projection", "cublas", td._projection), ("o_proj", "cublas", td._projection),
+            ("rmsnorm", "triton", td.rmsnorm), ("add", "triton", td.add),
+            ("attn_res_mix", "triton", td.attn_res_mix), ("router", "triton", td.router),
+            ("routed_experts", "triton_fused_moe", tm.routed_experts)):
+        REGISTRY.add(ProviderEntry(op, provider, factory, ("cuda", "cpu")))
+    spec = load_spec(MODELS / "tiny_k3.yaml")
+    graph, _ = compile_graph(spec, override_deployment(spec.deployment, target="h200"))
+    step = load(graph, weights="random", device="cpu", dtype="float32", block_size=4,
+                max_context=16, progress=False, allow_target_mismatch=True)
+    report = step.report()
+    print(report)
+    for needle in ("routed_experts:triton_fused_moe", "router:triton", "rmsnorm:triton",
+                   "attn_res_mix:triton"):
+        assert needle in report, f"the runtime did not pick {needle}"
+    prompts = [[1, 2, 3], [10, 20], [200, 100, 50], [7]]  # 4, 4, 3 (one padded) rows
+    got = run_prompts(CompiledDecodeRunner(step), prompts)
+    want = run_prompts(DecodeRunner(graph, random_weights(graph, 0, dtype=torch.float32),
+                                    len(prompts), 14, block_size=4), prompts)
+    assert np.array_equal(np.isnan(got), np.isnan(want)), "different rows are defined"
+    defined = ~np.isnan(want)
+    err = float(np.linalg.norm(got[defined] - want[defined]) / np.linalg.norm(want[defined]))
+    print(f"tiny_k3 logits relative error {err:.2e}")
+    # float32 everywhere but the MoE's BF16 intermediate (and the interpreter's BF16
+    # rounding, which truncates): well under 1e-2
+    assert err < 1e-2, f"tiny_k3 through the runtime: logits relative error {err:.3e}"
+
+
+# ----------------------------------------------------------------------------- sm_90 compiles
+
+
+def _meta(*shape: int, dtype: Any = torch.bfloat16) -> Any:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def sm90_projection() -> None:
+    """Every K3 projection shape x table tactic x bin compiles well for sm_90."""
+    from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, SplitKGemm, SplitKTactic
+
+    seen: set[tuple[Any, ...]] = set()
+    for n, k, out_name, tactics in K3_PROJECTIONS:
+        for t in tactics:
+            for rows in ROWS:
+                gemm = SplitKGemm(_meta(rows, k), _meta(n, k),
+                                  _meta(rows, n, dtype=_dtype(out_name)),
+                                  SplitKTactic(*t), pdl=False)
+                gemm.pdl = True  # meta tensors: pdl_allowed says no; compile the PDL form
+                p = gemm.plan
+                key = (p.block_w, p.block_r, p.block_k, p.split, p.stages, out_name)
+                if key in seen:
+                    continue
+                seen.add(key)
+                where = f"n={n} k={k} rows={rows} tactic={t} plan={p}"
+                for c in sm90_compiles(gemm):
+                    print(f"{c.name} {key}: {c.regs} regs, {c.spills} B spilled, "
+                          f"{c.shared} B shared")
+                    assert c.spills == 0, f"{where}: {c.name} spills {c.spills} bytes"
+                    assert c.shared <= SMEM_LIMIT, f"{where}: {c.name} shared {c.shared}"
+                    assert "griddepcontrol.wait" in c.ptx, f"{where}: {c.name} has no PDL wait"
+                    if c.name == "_splitk_kernel":
+                        assert c.loads_before_wait(), f"{where}: no weight load before the wait"
+                        assert "griddepcontrol.launch_dependents" in c.ptx, where
+                        assert "async_copy" in c.ttgir or "async_tma" in c.ttgir, \
+                            f"{where}: the main loop is not pipelined"
+
+
+def sm90_small_ops() -> None:
+    """rmsnorm / add / attn_res_mix at K3 widths compile for sm_90 without spills."""
+    from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, RmsNorm
+
+    for width in (7168, 3584, 448):
+        x = _meta(64, width)
+        w = _meta(width)
+        launches = [RmsNorm(x, w, _meta(64, width), 1e-5), RmsNorm(_meta(64, width,
+                    dtype=torch.float32), w, _meta(64, width), 1e-5),
+                    Add([x, x], _meta(64, width)),
+                    AttnResMix([x] * 12, w, w, _meta(64, width), 1e-6),
+                    AttnResMix([x] * 24, w, w, _meta(64, width), 1e-6)]
+        for launch in launches:
+            launch.pdl = True
+            for c in sm90_compiles(launch):
+                print(f"{c.name} width={width}: {c.regs} regs, {c.spills} B spilled")
+                assert c.spills == 0, f"{c.name} width={width}: spills {c.spills} bytes"
+                assert "griddepcontrol.wait" in c.ptx, f"{c.name}: no PDL wait"
+
+
+# ----------------------------------------------------------------------------- CPU tests
+
+CHECKS = {
+    "interp-projection": interpreter_projection,
+    "interp-small": interpreter_small_ops,
+    "interp-runtime": interpreter_runtime,
+    "sm90-projection": sm90_projection,
+    "sm90-small": sm90_small_ops,
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("check", ["interp-projection", "interp-small"])
+def test_interpreter(check: str) -> None:
+    """The kernels in Triton's CPU interpreter against the reference ops."""
+    result = run_script(HERE, check, interpret=True)
+    assert result.returncode == 0, explain(result)
+
+
+@needs_triton
+@pytest.mark.slow
+def test_interpreter_runtime_tiny_k3() -> None:
+    """tiny_k3 through the runtime with these providers in the interpreter vs the reference."""
+    result = run_script(HERE, "interp-runtime", interpret=True)
+    assert result.returncode == 0, explain(result)
+
+
+@needs_triton
+@pytest.mark.slow
+@pytest.mark.parametrize("check", ["sm90-projection", "sm90-small"])
+def test_sm90_compile(check: str) -> None:
+    """The launches at K3 shapes compile for sm_90 (no GPU needed) without spills, with PDL."""
+    result = run_script(HERE, check, interpret=False)
+    assert result.returncode == 0, explain(result)
+
+
+def test_sharded_rmsnorm_over_ranks_is_declined() -> None:
+    """A sharded rmsnorm over 2 ranks is declined (NotImplementedError: the runtime tries
+    the next provider), naming the node."""
+    pytest.importorskip("triton")
+    from stepgraph.runtime.providers.triton_dense import rmsnorm
+
+    node = node_of("rmsnorm", 2, 1, eps=1e-5, group="tp", ways=2)
+    x = torch.randn(2, 8)
+    with pytest.raises(NotImplementedError, match=r"test\.rmsnorm.*2 ranks"):
+        rmsnorm(context(node, [x, torch.ones(8), torch.empty(2, 8)]))
+
+
+def test_providers_are_registered() -> None:
+    """The tactic table's provider names resolve to these factories on CUDA."""
+    pytest.importorskip("triton")
+    from stepgraph.runtime.providers import REGISTRY
+    from stepgraph.runtime.providers import triton_dense as td
+
+    assert REGISTRY.get("projection", "splitk").factory is td._projection
+    assert REGISTRY.get("o_proj", "splitk").factory is td._projection
+    for op in ("rmsnorm", "add", "attn_res_mix", "router"):
+        entry = REGISTRY.get(op, "triton")
+        assert entry is not None and entry.devices == ("cuda",), op
+        assert entry.factory is getattr(td, op)
+
+
+def test_tune_table_round_trip(tmp_path: Path) -> None:
+    """Measurements -> a table file that loads as valid tactic tables, where the measured
+    shape's bins pick the fastest choice and the base file's other rows stay."""
+    pytest.importorskip("yaml")
+    from stepgraph.runtime.tune import Measurement, ProjShape, table_rows, write_table
+    from stepgraph.tactics import load_tables, table_path
+
+    shape = ProjShape(6288, 7168, "bfloat16")
+    results = [Measurement(shape, 1, 10.0, {(128, 8, 2, 6): 9.0, (64, 8, 4, 8): 9.5}),
+               Measurement(shape, 16, 10.0, {(128, 16, 2, 6): 12.0}),
+               Measurement(shape, 64, 30.0, {(64, 64, 1, 6): 20.0})]
+    out = tmp_path / "h200.measured.yaml"
+    source = "measured on TESTGPU 2026-01-01 by stepgraph tune"
+    write_table(table_path("h200"), table_rows(results, 8, 1, source), out, "TEST", "2026-01-01")
+    tables = load_tables("h200", path=out)
+    one = tables.choose("projection", 1, 6288, 7168, tp=8)
+    assert (one.provider, one.tactic["split"], one.tactic["m_tile"]) == ("splitk", 2, 128)
+    assert source in one.reason
+    assert tables.choose("projection", 16, 6288, 7168, tp=8).provider == "cublas"
+    assert tables.choose("projection", 64, 6288, 7168, tp=8).tactic["n_tile"] == 64
+    seeded = tables.choose("projection", 8, 3648, 7168, tp=8)  # a base row, kept
+    assert seeded.provider == "splitk" and "seeds 000" in seeded.reason
+
+
+def test_tune_refuses_without_cuda() -> None:
+    """`stepgraph tune` on a machine without CUDA: exit 2 and a one-line message."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    from conftest import run_cli
+
+    result = run_cli("tune", "nothing.sgart", "--out", "x.yaml")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "CUDA" in result.stderr, result.stderr
+
+
+def test_candidate_tactics_keep_two_k_tiles_a_split() -> None:
+    """The tuning grid never splits K below two K tiles a split."""
+    from stepgraph.runtime.tune import candidate_tactics
+
+    for rows in ROWS:
+        for k in (1536, 3584, 7168):
+            for m_tile, n_tile, split, _ in candidate_tactics(rows, k):
+                assert split == 1 or k // split >= 2 * (16384 // (2 * m_tile)), (k, split)
+                assert 8 <= n_tile <= 64
+
+
+# ----------------------------------------------------------------------------- GPU tests
+
+gpu = [pytest.mark.gpu,
+       pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("shape", K3_PROJECTIONS, ids=lambda s: f"{s[0]}x{s[1]}-{s[2]}")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_projection_gpu(shape: tuple[Any, ...]) -> None:
+    """K3 per-rank projections at rows 1..64 with each tactic, eager, PDL on."""
+    n, k, out_name, tactics = shape
+    worst = 0.0
+    for i, t in enumerate(tactics):
+        for rows in ROWS:
+            worst = max(worst, check_projection(rows, n, k, _tactic(t), _dtype(out_name),
+                                                "cuda", pdl=True, strided=rows % 2 == 0,
+                                                seed=100 * i + rows))
+    print(f"projection {n}x{k} {out_name}: worst relative error {worst:.2e}")
+
+
+def check_chain(rows: int, device: str, hidden: int = 7168, n1: int = 6288, n2: int = 7168,
+                inner: int = 1536, replays: int = 5) -> None:
+    """rmsnorm -> in_proj (split 2) -> o_proj-like GEMM (split 4, reading a column view of
+    the first) -> add, with PDL, captured in one CUDA graph (eager off CUDA) and replayed on
+    fresh inputs: every kernel must wait for its producer (a stale read shows as a large
+    error; an unwritten output as NaN)."""
+    from stepgraph.runtime.providers import triton_dense as td
+
+    gen = torch.Generator().manual_seed(rows)
+    dev = device
+    w_norm = (torch.rand(hidden, generator=gen) + 0.5).to(torch.bfloat16).to(dev)
+    w1 = (torch.randn(n1, hidden, generator=gen) / hidden ** 0.5).to(torch.bfloat16).to(dev)
+    w2 = (torch.randn(n2, inner, generator=gen) / inner ** 0.5).to(torch.bfloat16).to(dev)
+    h = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev)
+    normed = torch.empty_like(h)
+    proj = torch.empty(rows, n1, dtype=torch.bfloat16, device=dev)
+    o = torch.empty(rows, n2, dtype=torch.bfloat16, device=dev)
+    total = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev)
+    lo = min(100, n1 - inner)
+    view = proj[:, lo:lo + inner]  # a column view of the packed output
+    h.copy_(torch.randn(rows, hidden, generator=gen).to(torch.bfloat16))
+    pdl = True
+    launches = [
+        td.rmsnorm(context(node_of("rmsnorm", 2, 1, eps=1e-5), [h, w_norm, normed], pdl=pdl)),
+        td._projection(context(node_of("projection", 2, 1), [normed, w1, proj], pdl=pdl,
+                               tactic=_tactic((128, 16, 2, 6)))),
+        td._projection(context(node_of("o_proj", 2, 1), [view, w2, o], pdl=pdl,
+                               tactic=_tactic((64, 16, 4, 6)))),
+        td.add(context(node_of("add", 2, 1), [h, o, total], pdl=pdl)),
+    ]
+    runner = Replayer(launches, dev)
+    for replay in range(replays):
+        h.copy_((torch.randn(rows, hidden, generator=gen) * (1 + replay)).to(torch.bfloat16))
+        for t in (normed, proj, o, total):
+            t.fill_(float("nan"))
+        runner.replay()
+        ref_n = ref_op("rmsnorm", [h.float(), w_norm.float()], {"eps": 1e-5}, [torch.float32])[0]
+        ref_p = ref_n @ w1.float().T
+        ref_o = ref_p[:, lo:lo + inner] @ w2.float().T
+        ref_t = h.float() + ref_o
+        for name, out, ref in (("rmsnorm", normed, ref_n), ("in_proj", proj, ref_p),
+                               ("o_proj", o, ref_o), ("add", total, ref_t)):
+            err = rel_err(out, ref)
+            assert err < TOL_BF16, (f"replay {replay} rows={rows} on {device}: {name} "
+                                    f"relative error {err:.3e} (NaN: unwritten; large: stale "
+                                    f"input)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", ROWS)
+def test_graph_chain_with_pdl_gpu(rows: int) -> None:
+    """The chain of :func:`check_chain` at K3 shapes in a CUDA graph with PDL."""
+    check_chain(rows, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("width", (7168, 3584))
+def test_small_ops_gpu(width: int) -> None:
+    """rmsnorm / add / attn_res_mix at K3 widths, rows 1..64, PDL on."""
+    for rows in ROWS:
+        errors = check_small_ops(rows, width, "cuda", pdl=True, seed=rows)
+        print(rows, width, {k: f"{v:.1e}" for k, v in errors.items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tune_on_gpu(tmp_path: Path) -> None:
+    """`stepgraph tune` on tiny_k3 (bins 1, 8, quick grid) writes a valid table whose rows
+    say they were measured by stepgraph tune."""
+    from conftest import MODELS, run_cli
+
+    artifact = tmp_path / "tiny.sgart"
+    result = run_cli("compile", str(MODELS / "tiny_k3.yaml"), "-o", str(artifact))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "measured.yaml"
+    result = run_cli("tune", str(artifact), "--out", str(out), "--bins", "1,8", "--quick",
+                     "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr
+    print(result.stdout)
+    from stepgraph.tactics import load_tables
+
+    tables = load_tables("h200", path=out)
+    rows = tables.data.tactics["projection"].rows
+    assert any("by stepgraph tune" in row.source for row in rows), rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] not in CHECKS:
+        sys.exit(f"usage: {sys.argv[0]} {{{'|'.join(CHECKS)}}}")
+    if sys.argv[1].startswith("interp"):
+        patch_interpreter()
+    torch.manual_seed(0)
+    CHECKS[sys.argv[1]]()
+    print("ok")

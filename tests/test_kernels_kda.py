@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,41 +22,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from triton_check import ROOT, FakeContext  # noqa: E402
+from triton_check import has_triton as _has_triton  # noqa: E402
+
 TOL_BF16 = 1e-2  # ||out - ref|| / ||ref||, BF16 against the float32 reference
 TOL_F32 = 1e-4
 
 
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
-@dataclass
-class FakeContext:
-    """A PrepareContext over a dict of bound tensors."""
-
-    node: Any
-    rows: int
-    bound: dict[str, Any]
-    device: Any
-    pdl: bool = False
-    tactic: dict[str, Any] = field(default_factory=dict)
-
-    def tensor(self, name: str) -> Any:
-        """The bound tensor of ``name``."""
-        return self.bound[name]
-
-    def inputs(self) -> list[Any]:
-        """The node's input tensors."""
-        return [self.bound[n] for n in self.node.inputs]
-
-    def outputs(self) -> list[Any]:
-        """The node's output tensors."""
-        return [self.bound[n] for n in self.node.outputs]
 
 
 def make_case(heads: int, dim: int, rows: int, q_len: int = 1, kernel: int = 4,

@@ -249,7 +249,7 @@ FLA_MIN_HEAD_DIM = 64
 def _factory(recurrence: str) -> Callable[[PrepareContext], Launch]:
     def factory(ctx: PrepareContext) -> Launch:
         dim = int(ctx.node.attrs["head_dim"])
-        if recurrence == "fla" and dim < FLA_MIN_HEAD_DIM:
+        if recurrence == "fla" and dim < FLA_MIN_HEAD_DIM and ctx.device.type == "cuda":
             raise Declined(f"fla's fused_recurrent_kda gave wrong outputs at head_dim {dim} on "
                            f"the H200 (2026-11-30); it is used from head_dim "
                            f"{FLA_MIN_HEAD_DIM} (checked at 128)")

@@ -1,0 +1,79 @@
+"""Where a compiled step's GPU time goes: the graph replay of one bin on real inputs (random
+caches filled to the context, random tokens: the bench's input sets), then the kernels of a
+few replays as the CUDA profiler saw them, summed by kernel name. Replay time minus the sum
+of kernel time is what the gaps between launches cost.
+
+Usage (GPU machine): python3 scripts/profile_launches.py ARTIFACT [--rows 1 ...] [--context N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from stepgraph.artifact import load_artifact
+from stepgraph.bench.protocol import build_feeds, fill_caches
+from stepgraph.bench.weights import device_random_weights
+from stepgraph.runtime import StepInputs, load
+
+
+def _median_us(run, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    """Profile bins of an artifact."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact")
+    parser.add_argument("--rows", type=int, action="append")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--context", type=int, default=4096)
+    args = parser.parse_args()
+    artifact = load_artifact(args.artifact)
+    weights = device_random_weights(artifact.graph, 0)
+    step = load(artifact, weights=weights, device="cuda", max_requests=64,
+                max_context=args.context + 64, progress=False)
+    fill_caches(step.caches, 0)
+    lim = step.limits
+    for size in args.rows or [1]:
+        feed = build_feeds(size, 1, 1, args.context, lim.block_size, lim.width, lim.vocab,
+                           size)[0]
+        with torch.no_grad():
+            step.step(StepInputs.from_feed(feed))  # fills the input buffers
+            replay = _median_us(lambda s=size: step.replay(s), args.repeats)
+            rounds = 5
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(rounds):
+                    step.replay(size)
+                torch.cuda.synchronize()
+        kernels: dict[str, list[float]] = defaultdict(list)
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                kernels[event.name[:60]].append(event.device_time)
+        busy = sum(sum(v) for v in kernels.values()) / rounds
+        count = sum(len(v) for v in kernels.values()) / rounds
+        print(f"\n== {artifact.graph.name} bin {size} (context {args.context}): graph replay "
+              f"{replay:.1f} us; {count:.0f} kernels busy {busy:.1f} us a replay; gaps "
+              f"{replay - busy:.1f} us")
+        print(f"{'kernel':<62} {'n':>5} {'us/replay':>10} {'mean us':>8}")
+        for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:30]:
+            print(f"{name:<62} {len(times) / rounds:>5.0f} {sum(times) / rounds:>10.1f} "
+                  f"{sum(times) / len(times):>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

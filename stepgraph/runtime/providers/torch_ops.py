@@ -226,16 +226,33 @@ def _cublas_gated_mlp(ctx: PrepareContext) -> Launch:
         return reference_launch(ctx, ref_dense.gated_mlp)
     width, attrs = ctx.node.attrs["width"], ctx.node.attrs
     direct = out.is_contiguous()
+    fused = fused_activation(x.device)
 
     def launch() -> None:
         h = torch.matmul(x, gate_up.t())
-        act = gated_activation(h[:, :width], h[:, width:], attrs)
+        if fused is not None:
+            act = torch.empty((h.shape[0], width), dtype=h.dtype, device=h.device)
+            fused(h, act, attrs)
+        else:
+            act = gated_activation(h[:, :width], h[:, width:], attrs)
         if direct:
             torch.matmul(act, down.t(), out=out)
         else:
             out.copy_(torch.matmul(act, down.t()))
 
     return launch
+
+
+def fused_activation(device: torch.device):
+    """The one-kernel Triton gated activation on a CUDA device where triton imports (None:
+    the torch elementwise path)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from stepgraph.runtime.kernels.activation import gated_activation as kernel
+    except ImportError:
+        return None
+    return kernel
 
 
 for _op in ("shared_expert", "dense_mlp"):

@@ -57,6 +57,33 @@ def _scatter_slots(state: torch.Tensor, slots: torch.Tensor, values: torch.Tenso
         state[slots[valid].long()] = values[valid].to(state.dtype)
 
 
+def kda_token(conv_states: list[torch.Tensor], inputs: list[torch.Tensor],
+              conv_weights: tuple[torch.Tensor, ...], state: torch.Tensor, gate: torch.Tensor,
+              beta: torch.Tensor, heads: int, dim: int,
+              act_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of every request: the short conv of q, k, v (``conv_states`` [n, W, K-1],
+    replaced in the list by the advanced windows) + SiLU, L2-normalised q (scaled) and k, then
+    the delta rule on the fp32 ``state`` [n, H, K, V] with ``gate`` [n, H, D] (log decay) and
+    ``beta`` [n, H]. Returns (new state, output [n, H, V] in ``act_dtype``)."""
+    requests, width = inputs[0].shape
+    convolved = []
+    for index in range(3):
+        window = torch.cat([conv_states[index], inputs[index][:, :, None].to(
+            conv_states[index].dtype)], dim=-1)  # [n, W, K]
+        conv_states[index] = window[:, :, 1:]
+        weight = conv_weights[index]
+        y = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=width)[..., -1]
+        convolved.append(F.silu(y).to(act_dtype))
+    qj = _l2norm(convolved[0].float().view(requests, heads, dim)) * dim**-0.5
+    kj = _l2norm(convolved[1].float().view(requests, heads, dim))
+    vj = convolved[2].float().view(requests, heads, dim)
+    state = state * gate.exp()[..., None]
+    memory = (state * kj[..., None]).sum(-2)
+    delta = (vj - memory) * beta[..., None]
+    state = state + kj[..., None] * delta[..., None, :]
+    return state, (state * qj[..., None]).sum(-2).to(act_dtype)
+
+
 def kda_core(call: OpCall) -> list[torch.Tensor]:
     """One decode or verify step of the KDA core (see the module docstring)."""
     a = call.attrs
@@ -95,22 +122,9 @@ def kda_core(call: OpCall) -> list[torch.Tensor]:
     state = _gather_slots(rec_state, start).float()  # [n, H, K, V]
     outputs = []
     for j in range(q_len):
-        convolved = []
-        for index in range(3):
-            window = torch.cat([conv_states[index], inputs[index][:, j, :, None].to(
-                conv_states[index].dtype)], dim=-1)  # [n, W, K]
-            conv_states[index] = window[:, :, 1:]
-            weight = weights[index]
-            y = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None, groups=width)[..., -1]
-            convolved.append(F.silu(y).to(act_dtype))
-        qj = _l2norm(convolved[0].float().view(requests, heads, dim)) * dim**-0.5
-        kj = _l2norm(convolved[1].float().view(requests, heads, dim))
-        vj = convolved[2].float().view(requests, heads, dim)
-        state = state * gate[:, j].exp()[..., None]
-        memory = (state * kj[..., None]).sum(-2)
-        delta = (vj - memory) * beta[:, j, :, None]
-        state = state + kj[..., None] * delta[..., None, :]
-        outputs.append((state * qj[..., None]).sum(-2).to(act_dtype))
+        state, token = kda_token(conv_states, [x[:, j] for x in inputs], weights, state,
+                                 gate[:, j], beta[:, j], heads, dim, act_dtype)
+        outputs.append(token)
         if q_len > 1 or j == q_len - 1:
             dest = slots[:, j]
             _scatter_slots(rec_state, dest, state)

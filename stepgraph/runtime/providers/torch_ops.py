@@ -32,7 +32,7 @@ from stepgraph.errors import UserError
 from stepgraph.ir.types import TensorType
 from stepgraph.lower import ref_dense, ref_mla
 from stepgraph.lower.ref_common import OpCall, OpFn, gated_activation, linear, rope
-from stepgraph.lower.ref_kda import L2_EPS, decay_gate
+from stepgraph.lower.ref_kda import decay_gate, kda_token
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
 
 BOTH = ("cuda", "cpu")
@@ -305,10 +305,6 @@ def _read_slots(cache: torch.Tensor, slots: torch.Tensor, real: torch.Tensor) ->
     return torch.where(mask, picked, torch.zeros_like(picked))
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
-
-
 @register("kda_core", "torch", BOTH, note="the reference KDA step over gathered state slots")
 def kda_core(ctx: PrepareContext) -> Launch:
     """One decode / verify step of the KDA core (the reference's math, see
@@ -353,23 +349,9 @@ def kda_core(ctx: PrepareContext) -> Launch:
         state = _read_slots(rec_state, start, real).float()  # [n, H, K, V]
         outputs = []
         for j in range(q_len):
-            convolved = []
-            for index in range(3):
-                window = torch.cat([conv_states[index], inputs[index][:, j, :, None].to(
-                    conv_states[index].dtype)], dim=-1)  # [n, W, K]
-                conv_states[index] = window[:, :, 1:]
-                weight = conv_weights[index]
-                y = F.conv1d(window.to(weight.dtype), weight.unsqueeze(1), None,
-                             groups=width)[..., -1]
-                convolved.append(F.silu(y).to(act_dtype))
-            qj = _l2norm(convolved[0].float().view(requests, heads, dim)) * dim**-0.5
-            kj = _l2norm(convolved[1].float().view(requests, heads, dim))
-            vj = convolved[2].float().view(requests, heads, dim)
-            state = state * gate[:, j].exp()[..., None]
-            memory = (state * kj[..., None]).sum(-2)
-            delta = (vj - memory) * beta[:, j, :, None]
-            state = state + kj[..., None] * delta[..., None, :]
-            outputs.append((state * qj[..., None]).sum(-2).to(act_dtype))
+            state, token = kda_token(conv_states, [x[:, j] for x in inputs], conv_weights,
+                                     state, gate[:, j], beta[:, j], heads, dim, act_dtype)
+            outputs.append(token)
             if q_len > 1 or j == q_len - 1:
                 dest = slots[:, j]
                 rec_state.index_copy_(0, dest, state.to(rec_state.dtype))

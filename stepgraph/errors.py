@@ -14,9 +14,5 @@ class SpecError(UserError):
     """A spec file that does not parse or does not validate."""
 
 
-class DeploymentError(UserError):
-    """A deployment the model cannot be served with (e.g. heads not divisible by tp)."""
-
-
 class ArtifactError(UserError):
     """An artifact that is missing, corrupt, tampered with or from another version."""

@@ -100,11 +100,6 @@ class TensorType:
         """Bytes per element."""
         return DTYPE_BYTES[self.dtype]
 
-    @property
-    def is_static(self) -> bool:
-        """Whether every dim is an int."""
-        return all(isinstance(d, int) for d in self.shape)
-
     def numel(self, rows: int = 1, symbols: dict[str, int] | None = None) -> int:
         """Elements at ``rows`` rows."""
         total = 1
@@ -115,10 +110,6 @@ class TensorType:
     def nbytes(self, rows: int = 1, symbols: dict[str, int] | None = None) -> int:
         """Bytes at ``rows`` rows."""
         return self.numel(rows, symbols) * self.itemsize
-
-    def with_shape(self, *shape: Dim) -> TensorType:
-        """The same dtype with another shape."""
-        return TensorType(tuple(shape), self.dtype)
 
     def __str__(self) -> str:
         dims = "x".join(str(d) for d in self.shape)

@@ -16,7 +16,12 @@ import torch
 
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
-from stepgraph.runtime.providers.registry import REGISTRY, Launch, ProviderEntry, Registry
+from stepgraph.runtime.providers.registry import (
+    REGISTRY,
+    Launch,
+    Registry,
+    candidates,
+)
 
 
 @dataclass
@@ -93,19 +98,6 @@ def node_pdl(graph: Graph, node: Node, rows: int, enabled: bool) -> bool:
     if not enabled or entry is None:
         return False
     return bool(entry.get("pdl")) and str(rows) not in entry.get("off_bins", {})
-
-
-def candidates(op: str, wanted: str | None, preference: Sequence[str], device_type: str,
-               registry: Registry = REGISTRY) -> list[ProviderEntry]:
-    """The registered providers of ``op`` runnable on ``device_type``, in the order to try:
-    ``wanted``, the preference list, ``torch``."""
-    order = dict.fromkeys([*(n for n in (wanted,) if n), *preference, "torch"])
-    found = []
-    for name in order:
-        entry = registry.get(op, name)
-        if entry is not None and device_type in entry.devices:
-            found.append(entry)
-    return found
 
 
 def prepare_node(ctx: BinContext, wanted: str | None, preference: Sequence[str],

@@ -1,4 +1,5 @@
-"""The gated activation of a gated MLP as one Triton kernel: ``act = f(gate, up)`` from the
+"""The gated activation (shared with the routed-experts kernels: :func:`gated_act`) and, for a
+gated MLP, as one Triton kernel: ``act = f(gate, up)`` from the
 [gate | up] rows of the first matmul, SiTU (``b tanh(g/b) sigmoid(g) * bl tanh(u/bl)``) or
 SwiGLU (``silu(g) * up``), computed in float32 and stored in the output's dtype.
 
@@ -17,24 +18,31 @@ BLOCK = 1024
 
 
 @triton.jit
-def _tanh(x):
-    # 1 - 2 / (exp(2x) + 1): exact at both ends in float32 (exp overflows to inf -> 1).
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+def tanh_f32(x):
+    """tanh in float32 from the sigmoid, with a Taylor step near 0 (no cancellation)."""
+    small = tl.abs(x) < 0.01
+    return tl.where(small, x * (1.0 - x * x * (1.0 / 3.0)), 2.0 * tl.sigmoid(2.0 * x) - 1.0)
+
+
+@triton.jit
+def gated_act(g, u, beta, beta_linear, ACT: tl.constexpr):
+    """SiTU ``b tanh(g/b) sigmoid(g) * bl tanh(u/bl)`` (ACT 1) or SiLU ``silu(g) * u``
+    (ACT 0), in float32."""
+    if ACT == 1:
+        gate = beta * tanh_f32(g / beta) * tl.sigmoid(g)
+        return gate * (beta_linear * tanh_f32(u / beta_linear))
+    return g * tl.sigmoid(g) * u
 
 
 @triton.jit
 def _gated_act_kernel(h_ptr, out_ptr, width, stride_h, stride_o, beta, beta_linear,
-                      SITU: tl.constexpr, BLOCK_W: tl.constexpr):
+                      ACT: tl.constexpr, BLOCK_W: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mask = cols < width
     gate = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptr + row * stride_h + width + cols, mask=mask, other=0.0).to(tl.float32)
-    sigmoid = 1.0 / (1.0 + tl.exp(-gate))
-    if SITU:
-        act = beta * _tanh(gate / beta) * sigmoid * (beta_linear * _tanh(up / beta_linear))
-    else:
-        act = gate * sigmoid * up
+    act = gated_act(gate, up, beta, beta_linear, ACT)
     tl.store(out_ptr + row * stride_o + cols, act.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -44,9 +52,9 @@ def gated_activation(h: torch.Tensor, out: torch.Tensor, attrs: dict) -> None:
     if h.shape != (rows, 2 * width) or h.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError(f"gated activation of {list(h.shape)} into {list(out.shape)}: "
                          "rows of [gate | up] with unit column stride expected")
-    situ = attrs["activation"] == "situ"
+    situ = int(attrs["activation"] == "situ")
     beta = float(attrs.get("beta", 1.0))
     beta_linear = float(attrs.get("beta_linear", 1.0))
     grid = (rows, triton.cdiv(width, BLOCK))
     _gated_act_kernel[grid](h, out, width, h.stride(0), out.stride(0), beta, beta_linear,
-                            SITU=situ, BLOCK_W=BLOCK)
+                            ACT=situ, BLOCK_W=BLOCK)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from stepgraph.errors import UserError
+from stepgraph.runtime.kernels.activation import gated_act
 from stepgraph.runtime.kernels.launch_utils import dot_in_f32, next_pow2, pdl_allowed, scratch
 from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, mma
 
@@ -40,23 +41,6 @@ COMBINE_BLOCK = 256
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-@triton.jit
-def tanh_f32(x):
-    """tanh in float32 from the sigmoid, with a Taylor step near 0 (no cancellation)."""
-    small = tl.abs(x) < 0.01
-    return tl.where(small, x * (1.0 - x * x * (1.0 / 3.0)), 2.0 * tl.sigmoid(2.0 * x) - 1.0)
-
-
-@triton.jit
-def gated_act(g, u, beta, beta_linear, ACT: tl.constexpr):
-    """SiTU ``b tanh(g/b) sigmoid(g) * bl tanh(u/bl)`` (ACT 1) or SiLU ``silu(g) * u``
-    (ACT 0), in float32."""
-    if ACT == 1:
-        gate = beta * tanh_f32(g / beta) * tl.sigmoid(g)
-        return gate * (beta_linear * tanh_f32(u / beta_linear))
-    return g * tl.sigmoid(g) * u
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from stepgraph.runtime.providers.registry import REGISTRY, register, resolve
+from stepgraph.runtime.providers.registry import REGISTRY, candidates, register
 
 _MODULES = ("torch_ops", "triton_dense", "triton_moe", "triton_kda", "triton_mla")
 
@@ -25,4 +25,4 @@ def load_providers() -> list[str]:
     return skipped
 
 
-__all__ = ["REGISTRY", "load_providers", "register", "resolve"]
+__all__ = ["REGISTRY", "candidates", "load_providers", "register"]

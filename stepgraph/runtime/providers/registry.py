@@ -8,13 +8,13 @@ CUDA graph: no host synchronization, no allocation that depends on data, no shap
 depends on data. Every input and output tensor is bound before the factory is called and
 stays the same for every replay, so a factory may precompute pointers, strides and grids.
 
-Providers register with :func:`register`; :func:`resolve` picks the provider the bin pass
-chose, or the next available one in the op's preference order, and says why.
+Providers register with :func:`register`; :func:`candidates` lists, in order, the provider
+the bin pass chose and the next available ones in the op's preference order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -90,17 +90,16 @@ def register(op: str, provider: str, devices: tuple[str, ...] = ("cuda",),
     return decorate
 
 
-def resolve(op: str, wanted: str, preference: list[str], device_type: str,
-            registry: Registry = REGISTRY) -> tuple[ProviderEntry, str]:
-    """The entry to use for ``op``: ``wanted`` (the bin pass's choice) when registered for
-    ``device_type``, else the first available of ``preference``, else ``torch``; with the
-    reason when it is not ``wanted``."""
-    entry = registry.get(op, wanted)
-    if entry is not None and device_type in entry.devices:
-        return entry, ""
-    for name in (*preference, "torch"):
+def candidates(op: str, wanted: str | None, preference: Sequence[str], device_type: str,
+               registry: Registry = REGISTRY) -> list[ProviderEntry]:
+    """The registered providers of ``op`` runnable on ``device_type``, in the order to try:
+    ``wanted`` (the bin pass's choice), the op's preference list, ``torch``. The runtime
+    takes the first whose factory does not decline (NotImplementedError) and records why
+    it is not ``wanted``."""
+    order = dict.fromkeys([*(n for n in (wanted,) if n), *preference, "torch"])
+    found = []
+    for name in order:
         entry = registry.get(op, name)
         if entry is not None and device_type in entry.devices:
-            why = (f"{wanted} is not available for {op} on {device_type}; using {name}")
-            return entry, why
-    raise LookupError(f"no provider of op {op!r} runs on {device_type}")
+            found.append(entry)
+    return found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ _UniqueKeyLoader.add_constructor(
 # YAML 1.1 reads 1e-5 as a string; accept the plain scientific form as a float.
 _UniqueKeyLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    __import__("re").compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
     list("-+0123456789."),
 )
 

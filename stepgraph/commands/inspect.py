@@ -30,8 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def _bin(graph, requested: int | None) -> int:
-    bins = [b["rows"] for b in graph.meta.get("bins", [])] or list(
-        graph.meta["deployment"]["batches"])
+    from stepgraph.memory.arena import bin_rows
+
+    bins = bin_rows(graph)
     if requested is None:
         return bins[0]
     if requested not in bins:

@@ -153,18 +153,30 @@ def dsa_core(call: OpCall) -> list[torch.Tensor]:
     _write_cache(k_cache, slot_mapping, key.to(index_k.dtype))
     entries, mask = _gather_tokens(cache, block_tables, seq_lens)
     keys, _ = _gather_tokens(k_cache, block_tables, seq_lens)
+    rotate = (positions, a["rope_theta"], rope_dim) if has_rope and rope_dim else None
+    top = min(a["index_top_k"], mask.shape[1])
+    chosen = indexer_selection(index_q, keys, index_w, mask, top, rotate)
+    return _attend(call, q_latent, entries, mask & chosen)
+
+
+def indexer_selection(index_q: torch.Tensor, keys: torch.Tensor, index_w: torch.Tensor,
+                      mask: torch.Tensor, top: int,
+                      rotate: tuple[torch.Tensor, float, int] | None) -> torch.Tensor:
+    """The lightning indexer's choice [R, T] (bool): relu(q . k) per head, weighted by the
+    head weights (x heads^-0.5), summed, masked to the cached tokens, top ``top``.
+    ``rotate``: (positions, theta, rope dims) when the indexer query's first dims are rotated."""
     query = index_q.float()
-    if has_rope and rope_dim:
-        query = torch.cat([rope(query[..., :rope_dim], positions, a["rope_theta"]),
+    if rotate is not None:
+        positions, theta, rope_dim = rotate
+        query = torch.cat([rope(query[..., :rope_dim], positions, theta),
                            query[..., rope_dim:]], dim=-1)
     heads, dim = query.shape[1], query.shape[2]
     scores = F.relu(torch.einsum("rhd,rtd->rht", query, keys.float()) * dim**-0.5)
     weights = index_w.float() * heads**-0.5
     index = torch.einsum("rh,rht->rt", weights, scores).masked_fill(~mask, float("-inf"))
-    top = min(a["index_top_k"], index.shape[1])
     chosen = torch.zeros_like(mask)
     chosen.scatter_(1, index.topk(top, dim=-1).indices, True)
-    return _attend(call, q_latent, entries, mask & chosen)
+    return chosen
 
 
 def mla_value(call: OpCall) -> list[torch.Tensor]:

@@ -462,16 +462,9 @@ def dsa_core(ctx: PrepareContext) -> Launch:
         keys_cache.write(slot_mapping, key.to(index_k.dtype))
         entries, mask = latents.read(block_tables, seq_lens)
         keys, _ = keys_cache.read(block_tables, seq_lens)
-        query = index_q.float()
-        if rotate:
-            query = torch.cat([rope(query[..., :rope_dim], positions, a["rope_theta"]),
-                               query[..., rope_dim:]], dim=-1)
-        heads, dim = query.shape[1], query.shape[2]
-        scores = F.relu(torch.einsum("rhd,rtd->rht", query, keys.float()) * dim**-0.5)
-        weights = index_w.float() * heads**-0.5
-        index = torch.einsum("rh,rht->rt", weights, scores).masked_fill(~mask, float("-inf"))
-        chosen = torch.zeros_like(mask)
-        chosen.scatter_(1, index.topk(top, dim=-1).indices, True)
+        chosen = ref_mla.indexer_selection(
+            index_q, keys, index_w, mask, top,
+            (positions, a["rope_theta"], rope_dim) if rotate else None)
         for out, result in zip(outs, ref_mla._attend(call, q_latent, entries, mask & chosen),
                                strict=True):
             out.copy_(result)

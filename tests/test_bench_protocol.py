@@ -13,12 +13,12 @@ import torch
 import stepgraph.bench.protocol as protocol
 import stepgraph.bench.weights as bench_weights
 from stepgraph.bench.protocol import (
-    Fp32Reference,
     Routing,
     build_feeds,
     clone_caches,
     device_feed,
     fill_caches,
+    fp32_reference,
     next_feed,
     relative_error,
     time_calls,
@@ -151,7 +151,7 @@ def test_fp32_reference_keeps_big_weights_and_computes_in_fp32(tiny: Graph,
                                                                 monkeypatch) -> None:
     monkeypatch.setattr(protocol, "UPCAST_LIMIT", 1000)
     weights, caches, feed = _setup(tiny, rows=2)
-    mine = Fp32Reference(tiny, weights, clone_caches(caches), CPU)
+    mine = fp32_reference(tiny, weights, clone_caches(caches), CPU)
     kept = [name for name, w in weights.items() if w.numel() > 1000]
     assert kept and all(mine.fixed[n].data_ptr() == weights[n].data_ptr() for n in kept)
     assert all(mine.fixed[n].dtype == torch.float32 for n in weights if n not in kept
@@ -165,7 +165,7 @@ def test_fp32_reference_keeps_big_weights_and_computes_in_fp32(tiny: Graph,
 
 def test_imposed_routing_is_used_counted_and_undone(tiny: Graph) -> None:
     weights, caches, feed = _setup(tiny, rows=2)
-    free = Fp32Reference(tiny, weights, clone_caches(caches), CPU)
+    free = fp32_reference(tiny, weights, clone_caches(caches), CPU)
     free.step(feed, keep_values=True)
     routers = [n for n in tiny if n.op == "router"]
     own = {n.name: free.last_values[n.outputs[0]].clone() for n in routers}
@@ -176,10 +176,14 @@ def test_imposed_routing_is_used_counted_and_undone(tiny: Graph) -> None:
     forced[first.name] = flipped
     routing = Routing(forced)
     original = REFERENCE_OPS["router"]
-    imposed = Fp32Reference(tiny, weights, clone_caches(caches), CPU)
-    with routing.forced():
+    imposed = fp32_reference(tiny, weights, clone_caches(caches), CPU)
+    bystander = fp32_reference(tiny, weights, clone_caches(caches), CPU)
+    with routing.forced(imposed):
         imposed.step(feed, keep_values=True)
-    assert REFERENCE_OPS["router"] is original
+        bystander.step(feed, keep_values=True)
+    assert REFERENCE_OPS["router"] is original and imposed.ops["router"] is original
+    # only the executor given is forced: another one keeps its own choice
+    assert torch.equal(bystander.last_values[first.outputs[0]].long(), own[first.name].long())
     assert torch.equal(imposed.last_values[first.outputs[0]].long(), flipped.long())
     assert routing.decisions == 2 * len(routers)
     # the first router would have chosen row 0's own experts: one flip there; later layers
@@ -188,9 +192,9 @@ def test_imposed_routing_is_used_counted_and_undone(tiny: Graph) -> None:
     assert routing.flips == sum(routing.flips_by_node.values()) >= 1
     probs = imposed.last_values[first.outputs[1]]
     assert torch.allclose(probs.sum(-1), torch.ones(2), atol=1e-5)  # renormalized
-    with pytest.raises(RuntimeError), Routing(own).forced():
+    with pytest.raises(RuntimeError), Routing(own).forced(imposed):
         raise RuntimeError("inside")
-    assert REFERENCE_OPS["router"] is original
+    assert imposed.ops["router"] is original
 
 
 def test_time_calls_on_the_cpu() -> None:

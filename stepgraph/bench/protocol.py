@@ -30,10 +30,8 @@ import torch
 
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
-from stepgraph.ir.types import eval_dim
-from stepgraph.ir.values import Value
 from stepgraph.lower.ref_common import OpCall, OpFn
-from stepgraph.lower.reference import REFERENCE_OPS, ReferenceExecutor
+from stepgraph.lower.reference import ReferenceExecutor
 from stepgraph.lower.tensors import storage_dtype
 
 Feed = dict[str, np.ndarray]
@@ -215,25 +213,13 @@ def touched_experts(graph: Graph, values: Mapping[str, torch.Tensor], rows: int
     return touched
 
 
-class Fp32Reference(ReferenceExecutor):
+def fp32_reference(graph: Graph, weights: Mapping[str, torch.Tensor],
+                   caches: Mapping[str, torch.Tensor], device: torch.device
+                   ) -> ReferenceExecutor:
     """The reference executor computing in float32 over BF16 weights without a float32 copy
-    of the large ones: weights above :data:`UPCAST_LIMIT` elements stay as given (every op
-    reading them converts per use: projections, experts, kv_b, embedding rows), the others
-    are held in float32 as usual. The values are the same: BF16 -> float32 is exact."""
-
-    def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor],
-                 caches: Mapping[str, torch.Tensor], device: torch.device) -> None:
-        super().__init__(graph, weights, dict(caches), device, "float32")
-
-    def _bind_weight(self, value: Value, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        tensor = weights.get(value.name)
-        if tensor is not None and tensor.numel() > UPCAST_LIMIT:
-            expected = tuple(eval_dim(d, 1) for d in value.type.shape)
-            if tuple(tensor.shape) != expected:
-                raise UserError(f"weight {value.name}: expected shape {list(expected)}, "
-                                f"found {list(tensor.shape)}")
-            return tensor.to(self.device)
-        return super()._bind_weight(value, weights)
+    of the large ones (above :data:`UPCAST_LIMIT` elements; the values are the same)."""
+    return ReferenceExecutor(graph, weights, dict(caches), device, "float32",
+                             keep_dtype_above=UPCAST_LIMIT)
 
 
 def _router_weights(call: OpCall, ids: torch.Tensor) -> torch.Tensor:
@@ -285,15 +271,15 @@ class Routing:
         return router
 
     @contextmanager
-    def forced(self) -> Iterator[None]:
-        """Within the block, every reference executor's router returns these ids (for the
-        rows given) with the weights the reference computes for them."""
-        original = REFERENCE_OPS["router"]
-        REFERENCE_OPS["router"] = self._router(original)
+    def forced(self, executor: ReferenceExecutor) -> Iterator[None]:
+        """Within the block, ``executor``'s router returns these ids (for the rows given)
+        with the weights the reference computes for them."""
+        original = executor.ops["router"]
+        executor.ops["router"] = self._router(original)
         try:
             yield
         finally:
-            REFERENCE_OPS["router"] = original
+            executor.ops["router"] = original
 
 
 def compiled_step(executor: ReferenceExecutor) -> Callable[[Mapping[str, torch.Tensor]],

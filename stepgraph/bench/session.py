@@ -40,7 +40,6 @@ from stepgraph.bench.floor import step_bytes
 from stepgraph.bench.options import BenchOptions
 from stepgraph.bench.protocol import (
     Feed,
-    Fp32Reference,
     Routing,
     bench_device,
     build_feeds,
@@ -49,6 +48,7 @@ from stepgraph.bench.protocol import (
     copy_bandwidth,
     device_feed,
     fill_caches,
+    fp32_reference,
     next_feed,
     relative_error,
     synchronize,
@@ -396,8 +396,8 @@ class Session:
         try:
             initial = clone_caches(compiled.caches)
             copies = [initial, clone_caches(initial), clone_caches(initial)]
-            matched = Fp32Reference(graph, self.weights, copies[0], self.device)
-            strict = Fp32Reference(graph, self.weights, copies[1], self.device)
+            matched = fp32_reference(graph, self.weights, copies[0], self.device)
+            strict = fp32_reference(graph, self.weights, copies[1], self.device)
             bf16 = ReferenceExecutor(graph, self.weights, copies[2], self.device,
                                      torch.bfloat16)
             del initial
@@ -406,11 +406,11 @@ class Session:
                 routing, out, launched = self.compiled_outputs(compiled, graph, feed)
                 feed_dev = device_feed(graph, feed, self.device)
                 ref_strict = strict.step(feed_dev)["logits"].float()
-                with routing.forced():
+                with routing.forced(matched):
                     ref = matched.step(feed_dev)["logits"].float()
                 check.flips += routing.flips
                 check.decisions += routing.decisions
-                with Routing(routing.ids).forced():
+                with Routing(routing.ids).forced(bf16):
                     low = bf16.step(feed_dev)["logits"].float()
                 check.nan = check.nan or bool(torch.isnan(out).any())
                 for key, (a, b) in {"matched": (out, ref), "strict": (out, ref_strict),

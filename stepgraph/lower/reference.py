@@ -37,7 +37,11 @@ class ReferenceExecutor:
     ``weights`` maps every weight value of the graph to a tensor of its (per-rank) shape;
     ``caches`` maps every state value to the caller's tensor; ``dtype`` is the compute dtype
     (``float32`` or ``bfloat16``): activation-dtype weights and temps run in it, float32
-    values (gates, router, recurrent states, logits) stay float32.
+    values (gates, router, recurrent states, logits) stay float32. ``keep_dtype_above``:
+    weights of more elements than this are held as given (every op converts per use), so a
+    float32 reference over BF16 weights needs no float32 copy of the large ones (BF16 ->
+    float32 is exact). ``ops`` is this executor's own op table (a copy of
+    :data:`REFERENCE_OPS`): replacing an entry changes this executor alone.
     """
 
     def __init__(
@@ -47,6 +51,7 @@ class ReferenceExecutor:
         caches: Caches,
         device: torch.device | str = "cpu",
         dtype: str | torch.dtype = "float32",
+        keep_dtype_above: int | None = None,
     ) -> None:
         world = int(graph.meta.get("world", 1))
         if world != 1:
@@ -54,6 +59,10 @@ class ReferenceExecutor:
                             f"{world} ranks (compile it with tp=1 dep=1)")
         self.graph = graph
         self.device = torch.device(device)
+        self.keep_dtype_above = keep_dtype_above
+        # This executor's op table: a caller may replace an op for this executor alone
+        # (e.g. a router whose choices are imposed); the module table stays untouched.
+        self.ops: dict[str, OpFn] = dict(REFERENCE_OPS)
         self.compute = compute_dtype(dtype) if isinstance(dtype, str) else dtype
         missing_ops = sorted({n.op for n in graph} - set(REFERENCE_OPS))
         if missing_ops:
@@ -76,6 +85,8 @@ class ReferenceExecutor:
         if tuple(tensor.shape) != expected:
             raise UserError(f"weight {value.name}: expected shape {list(expected)}, "
                             f"found {list(tensor.shape)}")
+        if self.keep_dtype_above is not None and tensor.numel() > self.keep_dtype_above:
+            return tensor.to(self.device)  # ops convert per use: no full-size copy
         return tensor.to(device=self.device, dtype=storage_dtype(value.type.dtype, self.compute))
 
     # ------------------------------------------------------------------ running
@@ -109,7 +120,7 @@ class ReferenceExecutor:
                 compute=self.compute,
                 rows=rows,
             )
-            results = REFERENCE_OPS[node.op](call)
+            results = self.ops[node.op](call)
             for value, result in zip(out_values, results, strict=True):
                 self._write(env, value, result, rows)
         if keep_values:

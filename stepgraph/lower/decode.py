@@ -6,6 +6,11 @@ requests, builds the step inputs (rows grouped by request, q consecutive rows ea
 the rows up to the graph's next batch bin with rows that touch no real slot or block, runs
 the executor and returns each request's logits.
 
+With a cache shard (``cache_shard=(member, ways)``: decode context parallelism), token
+position p of a request lives in the cache of member ``p % ways`` at local index
+``p // ways``: this runner's ``seq_lens`` count the request's tokens in its member's shard and
+``slot_mapping`` is -1 for tokens another member stores.
+
 Verify steps (q > 1): each request owns q state slots; the state after its token j lands in
 slot j, and the next step resumes from the slot of the last accepted token
 (``num_accepted_tokens``). :meth:`accept` says how many of a request's last q tokens were
@@ -15,6 +20,7 @@ accepted (all of them when it is not called).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,8 +59,10 @@ class DecodeRunner:
         device: torch.device | str = "cpu",
         dtype: str | torch.dtype = "float32",
         block_size: int = BLOCK_SIZE,
+        cache_shard: tuple[int, int] = (0, 1),
     ) -> None:
         deployment = graph.meta.get("deployment", {})
+        self.cache_shard = cache_shard
         self.q = int(deployment.get("q", 1))
         self.bins = sorted(int(b) for b in deployment.get("batches", (self.q,)))
         self.graph = graph
@@ -135,6 +143,7 @@ class DecodeRunner:
         state_indices = np.full(rows, -1, dtype=np.int32)
         accepted = np.ones(rows, dtype=np.int32)
         block_tables = np.zeros((rows, table_width), dtype=np.int32)
+        member, ways = self.cache_shard
         for index, (request, ids) in enumerate(work):
             state = self.requests[request]
             self._commit(state)
@@ -143,13 +152,15 @@ class DecodeRunner:
             for j, token in enumerate(ids):
                 row = index * q + j
                 position = state.length + j
-                if position // self.block_size >= table_width:
+                local = position // ways  # this token's index in its owner's cache shard
+                if local // self.block_size >= table_width:
                     raise UserError(f"request {request} exceeds its cache ({position} tokens)")
                 tokens[row] = token
                 positions[row] = position
-                seq_lens[row] = position + 1
-                block = state.blocks[position // self.block_size]
-                slot_mapping[row] = block * self.block_size + position % self.block_size
+                seq_lens[row] = (position + ways - member) // ways
+                if position % ways == member:
+                    block = state.blocks[local // self.block_size]
+                    slot_mapping[row] = block * self.block_size + local % self.block_size
                 state_indices[row] = state.slots[j]
                 accepted[row] = state.accepted
                 block_tables[row] = state.blocks
@@ -167,22 +178,28 @@ class DecodeRunner:
         return result
 
 
-def run_prompts(runner: DecodeRunner, prompts: list[list[int]], order: list[int] | None = None
-                ) -> np.ndarray:
+def run_prompts(runner: DecodeRunner, prompts: list[list[int]], order: list[int] | None = None,
+                agree: Callable[[int], int] | None = None) -> np.ndarray:
     """Feed every prompt one token per step, all requests together (a request leaves the
     batch after its last token); returns logits [requests, max tokens, vocab] float32 with NaN
-    where a request has no token. ``order`` permutes the requests' rows in each step."""
+    where a request has no token. ``order`` permutes the requests' rows in each step.
+
+    ``agree``: for ranks that step together (data-parallel ranks, each with its own
+    prompts): the largest of a count over the ranks, so that every rank runs as many steps
+    (and chunks of a step) as the busiest one; a rank with nothing left runs padding rows."""
     if runner.q != 1:
         raise UserError(f"prompts run one token per step; this graph has q={runner.q}")
+    agree = agree or (lambda count: count)
     count, longest = len(prompts), max((len(p) for p in prompts), default=0)
     vocab = None
     out: np.ndarray | None = None
     for request in range(count):
         runner.add(request)
     row_order = order if order is not None else list(range(count))
-    for t in range(longest):
+    for t in range(agree(longest)):
         active = [r for r in row_order if t < len(prompts[r])]
-        for start in range(0, len(active), runner.max_rows):
+        chunks = agree(math.ceil(len(active) / runner.max_rows))
+        for start in range(0, chunks * runner.max_rows, runner.max_rows):
             chunk = active[start : start + runner.max_rows]
             logits = runner.step([(r, [prompts[r][t]]) for r in chunk])
             for request, values in logits.items():

@@ -2,7 +2,9 @@
 
 * temps: typed views of ONE arena (``torch.uint8``) at the offsets the memory plan
   (``meta["memory"]``) gives each bin; a temp that is an IR :class:`View` is a strided view of
-  its base (no memory of its own);
+  its base (no memory of its own), except a view of column groups (multi-rank plans: the
+  router logits of an all-gathered MoE front), which no strided view expresses: it gets a
+  small buffer of its own that :func:`regroup_launches` refreshes after its base is written;
 * weights and states (caches): persistent tensors shared by every bin;
 * step inputs and outputs: static buffers sized for the largest bin; a bin binds their first
   ``rows`` rows.
@@ -14,7 +16,7 @@ same factor, which keeps disjoint byte ranges disjoint.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +25,7 @@ import torch
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.types import DTYPE_BYTES, Storage, eval_dim
-from stepgraph.ir.values import Value
+from stepgraph.ir.values import Value, View
 from stepgraph.lower.tensors import read_view, storage_dtype
 
 ALIGNMENT = 256
@@ -111,13 +113,15 @@ def bind_temps(graph: Graph, rows: int, arena: Arena, compute: torch.dtype
         if found is not None:
             return found
         assert value.view is not None
-        if value.view.groups != 1:
-            raise UserError(f"temp {value.name} views {value.view.groups} column groups of "
-                            f"{value.view.base}: only multi-rank plans have these (issue 6)")
         base = graph.values[value.view.base]
         if base.view is None and base.name not in bound:
             raise UserError(f"temp {value.name} views {base.name}, which has no memory")
-        tensor = read_view(view_of(base), value.view)
+        if value.view.groups != 1:  # not a strided view: a buffer of its own, refreshed
+            tensor = torch.empty(_shape(value, rows), dtype=storage_dtype(value.type.dtype,
+                                                                          compute),
+                                 device=arena.data.device)
+        else:
+            tensor = read_view(view_of(base), value.view)
         bound[value.name] = tensor
         return tensor
 
@@ -125,6 +129,25 @@ def bind_temps(graph: Graph, rows: int, arena: Arena, compute: torch.dtype
         if value.view is not None:
             view_of(value)
     return bound
+
+
+def regroup_launches(graph: Graph, bound: Mapping[str, torch.Tensor]
+                     ) -> dict[str, list[Callable[[], None]]]:
+    """For each value that has views of column groups: the copies that refresh those views'
+    buffers from it (run right after the node that writes it)."""
+    copies: dict[str, list[Callable[[], None]]] = {}
+    for value in graph.values_of(Storage.TEMP):
+        view = value.view
+        if view is None or view.groups == 1 or value.name not in bound:
+            continue
+        target, base = bound[value.name], bound[view.base]
+
+        def refresh(target: torch.Tensor = target, base: torch.Tensor = base,
+                    view: View = view) -> None:
+            target.copy_(read_view(base, view))
+
+        copies.setdefault(view.base, []).append(refresh)
+    return copies
 
 
 def static_buffers(graph: Graph, storage: Storage, rows: int, symbols: Mapping[str, int],

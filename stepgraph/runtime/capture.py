@@ -16,6 +16,8 @@ import torch
 
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
+from stepgraph.runtime.binding import regroup_launches
+from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.providers.registry import (
     REGISTRY,
     Launch,
@@ -28,7 +30,7 @@ from stepgraph.runtime.providers.registry import (
 class BinContext:
     """What a provider factory sees for one node at one bin (a
     :class:`~stepgraph.runtime.providers.registry.PrepareContext`), plus the step's compute
-    ``dtype`` and the ``graph``."""
+    ``dtype``, the ``graph`` and, for a multi-rank step, its communicator ``comm``."""
 
     node: Node
     rows: int
@@ -38,6 +40,7 @@ class BinContext:
     dtype: torch.dtype
     graph: Graph
     bound: Mapping[str, torch.Tensor]
+    comm: Communicator | None = None
 
     def tensor(self, name: str) -> torch.Tensor:
         """The bound tensor of value ``name``."""
@@ -138,22 +141,36 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
                 device: torch.device, dtype: torch.dtype,
                 preferences: Callable[[str], Sequence[str]], pdl: bool,
                 advance: Callable[[int, str], None] | None = None,
-                registry: Registry = REGISTRY, allowed: Collection[str] | None = None
-                ) -> BinPlan:
+                registry: Registry = REGISTRY, allowed: Collection[str] | None = None,
+                comm: Communicator | None = None) -> BinPlan:
     """Every node's launch at bin ``rows`` in program order (``preferences(op)``: the op's
     providers from the tactic tables, preferred first; ``allowed``: see
-    :func:`prepare_node`)."""
+    :func:`prepare_node`; ``comm``: the ranks of a multi-rank step). A node whose output has
+    views of column groups refreshes their buffers right after it runs."""
     launches, choices = [], []
+    regroups = regroup_launches(graph, bound)
     for node in graph:
         wanted, tactic = decision(graph, node, rows)
         ctx = BinContext(node, rows, tactic, node_pdl(graph, node, rows, pdl), device, dtype,
-                         graph, bound)
+                         graph, bound, comm)
         launch, choice = prepare_node(ctx, wanted, preferences(node.op), registry, allowed)
+        refresh = [copy for name in node.outputs for copy in regroups.get(name, ())]
+        if refresh:
+            launch = _then(launch, refresh)
         launches.append(launch)
         choices.append(choice)
         if advance is not None:
             advance(1, f"bin {rows}: {node.name}")
     return BinPlan(rows, launches, choices, names=[n.name for n in graph])
+
+
+def _then(launch: Launch, more: Sequence[Launch]) -> Launch:
+    def run() -> None:
+        launch()
+        for extra in more:
+            extra()
+
+    return run
 
 
 def warm(plan: BinPlan, device: torch.device, times: int = 1) -> None:
@@ -171,9 +188,12 @@ def warm(plan: BinPlan, device: torch.device, times: int = 1) -> None:
     torch.cuda.synchronize(device)
 
 
-def capture(plan: BinPlan, pool: Any) -> None:
-    """Capture the bin's launches into one CUDA graph in memory pool ``pool``."""
+def capture(plan: BinPlan, pool: Any, thread_local: bool = False) -> None:
+    """Capture the bin's launches into one CUDA graph in memory pool ``pool``;
+    ``thread_local``: only this thread's CUDA calls must be capture-safe (a multi-rank step:
+    the NCCL watchdog thread keeps polling while a rank captures)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    mode = "thread_local" if thread_local else "global"
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
         plan.run_eager()
     plan.graph = graph

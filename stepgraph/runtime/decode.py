@@ -50,3 +50,6 @@ class CompiledDecodeRunner(DecodeRunner):
         self.inputs = {v.name for v in graph.values_of(Storage.INPUT)}
         self.free = list(range(requests))
         self.requests = {}
+        dcp = int(graph.meta.get("deployment", {}).get("dcp", 1))
+        comm = compiled.comm
+        self.cache_shard = (comm.member(dcp), dcp) if comm is not None and dcp > 1 else (0, 1)

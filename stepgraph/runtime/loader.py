@@ -1,6 +1,6 @@
 """``load``: an artifact -> a :class:`~stepgraph.runtime.step.CompiledStep` on a device.
 
-Checks the artifact against the device (target, world of one), allocates the arena and the
+Checks the artifact against the device (target, ranks), allocates the arena and the
 caches, binds weights, inputs and outputs, prepares every node's launch for every bin, warms
 them, and captures one CUDA graph per bin in one shared memory pool.
 """
@@ -32,15 +32,13 @@ from stepgraph.runtime.binding import (
 )
 from stepgraph.runtime.capture import capture as capture_bin
 from stepgraph.runtime.capture import prepare_bin, warm
+from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.inputs import InputFiller, Limits
 from stepgraph.runtime.progress import progress as progress_bar
 from stepgraph.runtime.providers import load_providers
 from stepgraph.runtime.step import CompiledStep
 
 GPU_NAMES = {"h200": "H200", "h100": "H100", "b200": "B200"}
-MULTI_RANK = "multi-rank steps need the NCCL providers (issue 6)"
-
-
 def _graph_of(artifact: Artifact | Graph | str | Path) -> tuple[Graph, dict[str, Any] | None]:
     if isinstance(artifact, Graph):
         return artifact, None
@@ -81,22 +79,58 @@ def check_target(target: str, device: torch.device, allow_mismatch: bool = False
                         f"allow_target_mismatch=True")
 
 
-def check_world(graph: Graph) -> None:
-    """Refuse a plan for more than one rank."""
+def check_world(graph: Graph, comm: Communicator | None) -> None:
+    """Refuse a plan whose ranks do not match the communicator's world (a plan for more than
+    one rank needs one), or a plan without a memory plan."""
     world = int(graph.meta.get("world", 1))
-    if world != 1:
-        raise UserError(f"the artifact's step runs on {world} ranks: {MULTI_RANK}")
+    if world > 1 and comm is None:
+        raise UserError(f"the artifact's step runs on {world} ranks: start one process a GPU "
+                        f"(stepgraph run/bench --nproc {world}, or stepgraph.runtime.launch) "
+                        f"and load with comm=")
+    if comm is not None and comm.world != world:
+        raise UserError(f"the artifact's step runs on {world} ranks but {comm.world} processes "
+                        f"were started: use --nproc {world}")
     if "memory" not in graph.meta:
         raise UserError("the artifact has no memory plan (compile it through the alias pass)")
 
 
+def rank_graph(graph: Graph, comm: Communicator | None) -> Graph:
+    """The graph as this rank runs it: each expert-split node computes the experts of its
+    member of the group (``expert_offset``); the graph itself when nothing differs."""
+    if comm is None or comm.world == 1:
+        return graph
+    nodes = []
+    for node in graph:
+        split = node.attrs.get("expert_split")
+        if isinstance(split, dict) and int(split.get("ways", 1)) > 1:
+            ways = int(split["ways"])
+            offset = comm.member(ways) * int(split["local_experts"])
+            node = node.evolve(attrs={**node.attrs, "expert_offset": offset})
+        nodes.append(node)
+    ranked = graph.copy()
+    ranked.set_nodes(nodes)
+    return ranked
+
+
+def group_sizes(graph: Graph) -> list[int]:
+    """The sizes of the groups the graph's collectives and split nodes run over."""
+    sizes = set()
+    for node in graph:
+        attrs = node.attrs
+        sizes.add(int(attrs.get("ways", 1)))
+        for key in ("vocab_split", "expert_split"):
+            if isinstance(attrs.get(key), dict):
+                sizes.add(int(attrs[key].get("ways", 1)))
+    return sorted(sizes - {1})
+
+
 def _weights(graph: Graph, weights: Any, seed: int, dtype: torch.dtype,
-             device: torch.device) -> dict[str, torch.Tensor]:
+             device: torch.device, rank: int) -> dict[str, torch.Tensor]:
     if isinstance(weights, Mapping):
         return dict(weights)
     if weights == "random":
-        return random_weights(graph, seed, dtype=dtype, device=device)
-    return load_weights(graph, weights, dtype=dtype, device=device)
+        return random_weights(graph, seed, rank=rank, dtype=dtype, device=device)
+    return load_weights(graph, weights, rank=rank, dtype=dtype, device=device)
 
 
 def _preferences(graph: Graph, target: str, notes: list[str]
@@ -134,6 +168,7 @@ def load(
     progress: bool = True,
     allow_target_mismatch: bool = False,
     providers: Sequence[str] | None = None,
+    comm: Communicator | None = None,
 ) -> CompiledStep:
     """Load a compiled step onto ``device``.
 
@@ -146,10 +181,15 @@ def load(
     launch with PDL where the plan allows; ``progress``: show a progress bar;
     ``allow_target_mismatch``: run an artifact compiled for another target; ``providers``:
     use only these providers (e.g. ``("torch", "cublas")``: the torch baseline; ``torch`` is
-    always the last resort).
+    always the last resort); ``comm``: this process's rank of a multi-rank step (every rank
+    calls ``load`` with the same arguments; weights given by path or ``"random"`` are sliced
+    to the rank's shard, a mapping must hold the rank's shard already).
     """
     graph, document = _graph_of(artifact)
-    check_world(graph)
+    check_world(graph, comm)
+    vocab = _vocab(graph)
+    graph = rank_graph(graph, comm)
+    rank = comm.rank if comm is not None else 0
     device = resolve_device(device)
     target = str(graph.meta.get("deployment", {}).get("target", "default"))
     check_target(target, device, allow_target_mismatch)
@@ -172,7 +212,8 @@ def load(
     width = math.ceil(max_context / block_size)
     slots, blocks = requests * q, requests * width
     caches = allocate_caches(graph, slots + 1, blocks + 1, block_size, device, compute)
-    fixed = bind_weights(graph, _weights(graph, weights, seed, compute, device), compute, device)
+    fixed = bind_weights(graph, _weights(graph, weights, seed, compute, device, rank), compute,
+                         device)
     fixed.update(caches)
     symbols = {"T": width}
     bindings = Bindings(
@@ -182,12 +223,14 @@ def load(
     )
     scale = arena_scale(graph, compute)
     arena = Arena.allocate(int(graph.meta["memory"]["arena_bytes"]), scale, device)
-    vocab = _vocab(graph)
     filler = InputFiller(bindings.inputs, Limits(slots, blocks, block_size, width, vocab, q))
 
     preferences = _preferences(graph, target, notes)
     use_graphs = capture and device.type == "cuda"
     pool = torch.cuda.graph_pool_handle() if use_graphs else None
+    if comm is not None:
+        comm.add_groups(group_sizes(graph))
+        notes.append(f"rank {comm.rank} of {comm.world} ({comm.backend})")
     plans = {}
     label = "capturing" if use_graphs else "preparing"
     with torch.no_grad(), progress_bar(len(bins) * len(graph), label, progress) as advance:
@@ -195,18 +238,24 @@ def load(
             bindings.temps[size] = bind_temps(graph, size, arena, compute)
             plan = prepare_bin(graph, size, bindings.for_bin(size), device, compute,
                                preferences, pdl, advance,
-                               allowed=None if providers is None else set(providers))
+                               allowed=None if providers is None else set(providers),
+                               comm=comm)
             filler.fill_padding(size)
             warm(plan, device)
             if use_graphs:
-                capture_bin(plan, pool)
+                capture_bin(plan, pool, thread_local=comm is not None)
             plans[size] = plan
     return CompiledStep(graph=graph, device=device, dtype=compute, bins=bins, q=q, plans=plans,
                         bindings=bindings, arena=arena, filler=filler, caches=caches,
-                        target=target, notes=notes, document=document, pool=pool)
+                        target=target, notes=notes, document=document, pool=pool, comm=comm)
 
 
 def _vocab(graph: Graph) -> int:
+    """The model's vocabulary (the whole of it where the embedding is split over ranks)."""
+    for node in graph:
+        split = node.attrs.get("vocab_split")
+        if node.op == "embed" and isinstance(split, dict):
+            return int(split["rows"]) * int(split["ways"])
     for name in ("embed_tokens", "lm_head"):
         if name in graph.values:
             return int(graph.values[name].type.shape[0])

@@ -13,6 +13,7 @@ from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.runtime.binding import Arena, Bindings
 from stepgraph.runtime.capture import BinPlan, Choice
+from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.inputs import InputFiller, Limits, StepInputs
 
 
@@ -42,6 +43,7 @@ class CompiledStep:
     notes: list[str] = field(default_factory=list)
     document: dict[str, Any] | None = None
     pool: Any = None
+    comm: Communicator | None = None
 
     # ------------------------------------------------------------------ sizes
 
@@ -98,11 +100,24 @@ class CompiledStep:
         or with ``clone=False`` a view of the static output buffer that the next step
         overwrites."""
         rows = inputs.rows
-        size = self.bin_for(rows)
+        size = self.bin_for(self.agreed_rows(rows))
         self.filler.fill(inputs, size)
         self.replay(size)
         logits = self.bindings.outputs[self.output_name][:rows]
         return logits.clone() if clone else logits
+
+    @property
+    def data_parallel(self) -> int:
+        """How many ranks run their own requests (DEP; 1 otherwise)."""
+        return int(self.graph.meta.get("deployment", {}).get("dep", 1))
+
+    def agreed_rows(self, rows: int) -> int:
+        """The rows every rank's bin must hold: with data-parallel ranks (DEP) the largest
+        count over the ranks (a rank with no requests still steps, all padding), since the
+        expert dispatch exchanges whole bins; otherwise ``rows``."""
+        if self.data_parallel == 1 or self.comm is None:
+            return rows
+        return self.comm.max_int(rows)
 
     def replay(self, size: int) -> None:
         """Run bin ``size`` on whatever the input buffers hold (a benchmark's inner loop)."""

@@ -10,7 +10,7 @@ import importlib
 
 from stepgraph.runtime.providers.registry import REGISTRY, candidates, register
 
-_MODULES = ("torch_ops", "triton_dense", "triton_moe", "triton_kda", "triton_mla")
+_MODULES = ("collectives", "torch_ops", "triton_dense", "triton_moe", "triton_kda", "triton_mla")
 
 
 def load_providers() -> list[str]:

@@ -29,6 +29,7 @@ class PrepareContext(Protocol):
     tactic: Mapping[str, Any]  # the bin pass's tactic (may be empty)
     pdl: bool  # whether this launch may use programmatic dependent launch
     device: Any  # torch.device
+    comm: Any  # stepgraph.runtime.comm.Communicator of a multi-rank step, else None
 
     def tensor(self, name: str) -> Any:
         """The bound tensor of a value (arena temp or view, weight, state, input, output)."""

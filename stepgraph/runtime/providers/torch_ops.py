@@ -17,7 +17,8 @@ are rewritten capturably with the reference's math:
   sums its experts weighted by the router (zero for experts it did not pick): correct for any
   routing, slow; the Triton provider is the fast one.
 
-Collectives over one rank are copies; over more ranks they need the NCCL providers.
+The collectives, the vocab-parallel embedding and the sharded RMSNorm live in
+:mod:`stepgraph.runtime.providers.collectives`.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from stepgraph.ir.types import TensorType
 from stepgraph.lower import ref_dense, ref_mla
 from stepgraph.lower.ref_common import OpCall, OpFn, gated_activation, linear, rope
 from stepgraph.lower.ref_kda import decay_gate, kda_token
+from stepgraph.runtime.providers.collectives import sharded_rmsnorm, vocab_parallel_embed
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
 
 BOTH = ("cuda", "cpu")
-MULTI_RANK = "multi-rank steps need the NCCL providers (issue 6)"
+MULTI_RANK = "the torch provider runs it on one rank only (the collectives module runs it over several)"
 
 _IR_DTYPES = {
     torch.bfloat16: "bfloat16",
@@ -52,13 +54,13 @@ _IR_DTYPES = {
 
 
 def check_one_rank(node: Any) -> None:
-    """Refuse a node that runs over more than one rank (a collective, a sharded norm, a
-    vocab- or expert-split node) with :data:`MULTI_RANK`."""
+    """Refuse a node whose computation spans ranks (a grouped op, a vocab-split embedding):
+    those run through :mod:`stepgraph.runtime.providers.collectives`. An expert-split node
+    computes its local experts only (the loader sets each rank's ``expert_offset``)."""
     attrs = node.attrs
     ways = [attrs.get("ways", 1)]
-    for key in ("vocab_split", "expert_split"):
-        if isinstance(attrs.get(key), dict):
-            ways.append(attrs[key].get("ways", 1))
+    if isinstance(attrs.get("vocab_split"), dict):
+        ways.append(attrs["vocab_split"].get("ways", 1))
     if max(int(w) for w in ways) > 1:
         raise UserError(f"node {node.name} ({node.op} over {max(ways)} ranks): {MULTI_RANK}")
 
@@ -102,6 +104,8 @@ def reference_launch(ctx: PrepareContext, fn: OpFn) -> Launch:
 
 def _reference(fn: OpFn) -> Callable[[PrepareContext], Launch]:
     def factory(ctx: PrepareContext) -> Launch:
+        if ctx.node.op == "rmsnorm" and int(ctx.node.attrs.get("ways", 1)) > 1:
+            return sharded_rmsnorm(ctx)
         check_one_rank(ctx.node)
         return reference_launch(ctx, fn)
 
@@ -130,7 +134,10 @@ for _op, _fn in (
 
 @register("embed", "torch", BOTH)
 def embed(ctx: PrepareContext) -> Launch:
-    """Rows of the embedding table (``index_select`` straight into the output)."""
+    """Rows of the embedding table (``index_select`` straight into the output); this rank's
+    part of the vocabulary when the table is split."""
+    if int(ctx.node.attrs.get("vocab_split", {}).get("ways", 1)) > 1:
+        return vocab_parallel_embed(ctx)
     check_one_rank(ctx.node)
     tokens, table = ctx.inputs()
     (out,) = ctx.outputs()
@@ -155,22 +162,6 @@ def add(ctx: PrepareContext) -> Launch:
             out.add_(other)
 
     return launch
-
-
-def _copy_all(ctx: PrepareContext) -> Launch:
-    check_one_rank(ctx.node)
-    pairs = list(zip(ctx.inputs(), ctx.outputs(), strict=False))
-
-    def launch() -> None:
-        for source, out in pairs:
-            out.copy_(source)
-
-    return launch
-
-
-for _op in ("all_reduce", "all_gather", "reduce_scatter", "dcp_gather", "ep_combine",
-            "lse_merge", "ep_dispatch"):
-    register(_op, "torch", BOTH, note="one rank: a copy")(_copy_all)
 
 
 @register("prefetch", "torch", BOTH, note="no L2 prefetch: a no-op")

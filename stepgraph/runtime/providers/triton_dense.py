@@ -34,7 +34,7 @@ def rmsnorm(ctx: PrepareContext) -> Launch:
     ways = int(ctx.node.attrs.get("ways", 1))
     if ways != 1:
         raise NotImplementedError(f"node {ctx.node.name}: a sharded rmsnorm over {ways} "
-                                  "ranks needs the all-reduced mean square (issue 6)")
+                                  "ranks: the collectives module all-reduces its mean square")
     x, weight = ctx.inputs()
     (out,) = ctx.outputs()
     return RmsNorm(x, weight, out, ctx.node.attrs["eps"], pdl=ctx.pdl)

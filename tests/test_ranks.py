@@ -55,3 +55,30 @@ def test_a_rank_error_reaches_the_launcher_as_one_line(tmp_path: Path) -> None:
                                         r"1 processes were started: use --nproc 2"):
         launch(check_rank, 1, path, RankCheckOptions(device="cpu", capture=False),
                device="cpu")
+
+
+def test_run_of_a_tp2_artifact_on_two_cpu_ranks_equals_the_reference_run(tmp_path: Path
+                                                                          ) -> None:
+    import numpy as np
+    from conftest import run_cli
+
+    path = artifact(tmp_path, "tiny_k3", tp=2)
+    requests = ["--tokens", "1,2,3", "--tokens", "200,5", "--tokens", "9"]
+    got = run_cli("run", path, "--weights", "random", *requests, "--device", "cpu",
+                  "--logits-out", str(tmp_path / "ranks.npy"))
+    assert got.returncode == 0, got.stderr
+    want = run_cli("run", str(MODELS / "tiny_k3.yaml"), "--weights", "random", *requests,
+                   "--logits-out", str(tmp_path / "reference.npy"))
+    assert want.returncode == 0, want.stderr
+    a, b = np.load(tmp_path / "ranks.npy"), np.load(tmp_path / "reference.npy")
+    assert a.shape == b.shape == (3, 3, 256)
+    assert np.array_equal(np.isnan(a), np.isnan(b))
+    defined = ~np.isnan(b)
+    assert np.abs(b[defined]).max() > 0.1
+    assert np.abs(a[defined] - b[defined]).max() < 1e-4
+
+    wrong = run_cli("run", path, "--weights", "random", "--tokens", "1", "--nproc", "3",
+                    "--device", "cpu", "--logits-out", str(tmp_path / "x.npy"))
+    assert wrong.returncode == 2
+    assert wrong.stderr.strip().splitlines() == [
+        "error: --nproc 3: the artifact was compiled for 2 rank(s)"]

@@ -7,7 +7,10 @@
   ...), collectives removed; rows 1..64. Its YAML says how it mirrors a rank and where a
   TP1 spec cannot (the MoE's latent front and back are whole, not 1/8).
 
-Both YAML files document their AttnRes block-boundary choice. :func:`k3_prefix_spec` builds
+* **k3-tp2** (``models/k3_tp2.yaml``): k3-slice-tp1's model at TP2 (two GPUs, real NCCL
+  collectives; 64 experts, 32 a rank).
+
+The YAML files document their AttnRes block-boundary choice. :func:`k3_prefix_spec` builds
 the K3 spec cut to its first layers (with optional experts / tp), which the tests compile to
 check the workloads' shapes against what K3 itself compiles to. No torch here.
 """
@@ -62,6 +65,16 @@ WORKLOADS: dict[str, Workload] = {
             context=4096,
             batches=(1, 2, 4, 8, 16, 32, 64),
             k3_layers=(1, 12),
+        ),
+        Workload(
+            name="k3-tp2",
+            spec="models/k3_tp2.yaml",
+            model="k3_tp2",
+            label=("k3-tp2: K3 layers 1..4 at TP2 (48 heads a rank, 64 experts: 32 a rank), "
+                   "real NCCL collectives, two H200s"),
+            context=4096,
+            batches=(1, 4, 16, 64),
+            k3_layers=(1, 4),
         ),
     )
 }

@@ -56,6 +56,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="cuda (default), or cpu for a dry run of the protocol (its times "
                              "mean nothing)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--nproc", type=int,
+                        help="processes, one GPU each, for an artifact compiled for several "
+                             "ranks (default: the artifact's ranks)")
+    parser.add_argument("--no-ablation", action="store_true",
+                        help="multi-rank: skip the no-collectives ablation")
+    parser.add_argument("--no-eager", action="store_true",
+                        help="multi-rank: skip the eager torch + NCCL mode")
     return parser
 
 
@@ -122,6 +129,12 @@ def run(args: argparse.Namespace) -> int:
 
     artifact = load_artifact(args.artifact)
     options = options_from(args, bin_rows(artifact.graph))
+    world = int(artifact.graph.meta.get("world", 1))
+    nproc = world if args.nproc is None else args.nproc
+    if nproc != world:
+        raise UserError(f"--nproc {nproc}: the artifact was compiled for {world} rank(s)")
+    if world > 1:
+        return run_ranks(args, options, world)
     from stepgraph.bench.session import run_bench
     from stepgraph.bench.table import MODES, BenchReport, format_report
 
@@ -140,3 +153,31 @@ def run(args: argparse.Namespace) -> int:
     print(format_report(report), end="")
     failed = any(r.check_failed(mode) for r in report.bins for mode in MODES)
     return 1 if failed else 0
+
+
+def run_ranks(args: argparse.Namespace, options, world: int) -> int:  # options: BenchOptions
+    """The multi-rank benchmark (stepgraph.bench.ranks) on ``world`` GPUs."""
+    if options.device != "cuda":
+        raise UserError("the multi-rank benchmark runs on GPUs only (--device cuda)")
+    from stepgraph.bench.ranks import RankBenchOptions, format_rank_bench, run_rank_bench
+    from stepgraph.bench.session import git_commit
+    from stepgraph.runtime.launch import launch
+
+    rank_options = RankBenchOptions(
+        batches=options.batches, replays=options.replays, warmup=options.warmup,
+        context=options.context, sets=options.sets, seed=options.seed,
+        check_steps=max(options.check_steps, 3), ablation=not args.no_ablation,
+        eager=not args.no_eager)
+    results = launch(run_rank_bench, world, args.artifact, rank_options)
+    header = (f"stepgraph bench {args.artifact} over {world} ranks (commit "
+              f"{options.commit or git_commit()}; {options.command or 'stepgraph bench'})")
+    text = format_rank_bench(results, header)
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps([r.to_json() for r in results], indent=1))
+            Path(args.json).with_suffix(".md").write_text(text)
+        except OSError as error:
+            print(f"warning: --json {args.json}: cannot write ({error.strerror})",
+                  file=sys.stderr)
+    print(text, end="")
+    return 1 if any(b.check_failed for r in results for b in r.bins) else 0

@@ -1,5 +1,9 @@
-"""``stepgraph run SPEC --weights DIR|random --tokens 1,2,3 [--tokens ...] --logits-out FILE.npy``:
-run requests through the reference executor and save their logits.
+"""``stepgraph run SPEC|ARTIFACT --weights DIR|random --tokens 1,2,3 [--tokens ...] --logits-out
+FILE.npy [--nproc N]``: run requests and save their logits.
+
+With a spec (``.yaml``) the reference executor runs them; with a compiled artifact the
+runtime does (CUDA graphs on a GPU), on ``--nproc`` processes for an artifact compiled for
+several ranks (one GPU a rank; Gloo on the CPU with ``--device cpu``).
 
 Each ``--tokens`` is one request. All requests run together as one batch of decode steps
 from empty caches, each prompt fed one token per step (requests of different lengths finish
@@ -18,8 +22,9 @@ from stepgraph.errors import UserError
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register the subcommand."""
-    parser = sub.add_parser("run", help="run requests with the reference executor; save logits")
-    parser.add_argument("spec", help="model spec (YAML)")
+    parser = sub.add_parser("run", help="run requests (reference executor for a spec, the "
+                                        "compiled step for an artifact); save logits")
+    parser.add_argument("spec", help="model spec (YAML) or compiled artifact (.sgart)")
     parser.add_argument("--weights", required=True,
                         help="safetensors checkpoint directory (Hugging Face layout) or `random`")
     parser.add_argument("--seed", type=int, default=0, help="seed of --weights random")
@@ -28,6 +33,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--logits-out", required=True, help="where to save the logits (.npy)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16")
+    parser.add_argument("--nproc", type=int,
+                        help="processes (ranks) for an artifact compiled for several ranks "
+                             "(default: the artifact's ranks)")
     return parser
 
 
@@ -48,11 +56,22 @@ def build_graph(spec_path: str):  # -> Graph
     return graph
 
 
+def is_spec(path: str) -> bool:
+    """Whether ``path`` names a spec (YAML) rather than a compiled artifact."""
+    return Path(path).suffix.lower() in (".yaml", ".yml")
+
+
 def run(args: argparse.Namespace) -> int:
     """Load, run, save."""
     prompts = [list(parse_int_list(text, "--tokens")) for text in args.tokens]
     output = Path(args.logits_out)
-    import numpy as np
+    if not output.parent.is_dir():
+        raise UserError(f"--logits-out {output}: folder {output.parent} does not exist")
+    if not is_spec(args.spec):
+        return run_artifact(args, prompts, output)
+    if args.nproc not in (None, 1):
+        raise UserError("--nproc runs a compiled artifact over ranks: compile the spec first "
+                        "(stepgraph compile SPEC --tp N -o step.sgart)")
     import torch
 
     from stepgraph.lower.decode import DecodeRunner, run_prompts
@@ -76,9 +95,46 @@ def run(args: argparse.Namespace) -> int:
                               max_tokens=max(len(p) for p in prompts), device=device,
                               dtype=dtype)
         logits = run_prompts(runner, prompts)
+    return save_logits(output, logits)
+
+
+def save_logits(output: Path, logits) -> int:  # logits: np.ndarray
+    """Write the logits file (one line on failure)."""
+    import numpy as np
+
     try:
         np.save(output, logits.astype(np.float32))
     except OSError as error:
         raise UserError(f"{output}: cannot write ({error.strerror})") from None
     print(f"wrote {output}: logits {list(logits.shape)} float32")
     return 0
+
+
+def run_artifact(args: argparse.Namespace, prompts: list[list[int]], output: Path) -> int:
+    """Decode the prompts through a compiled artifact, on its ranks."""
+    from stepgraph.artifact import load_artifact
+    from stepgraph.ir.graph import vocab_size
+
+    artifact = load_artifact(args.spec)
+    world = int(artifact.graph.meta.get("world", 1))
+    nproc = world if args.nproc is None else args.nproc
+    if nproc != world:
+        raise UserError(f"--nproc {nproc}: the artifact was compiled for {world} rank(s)")
+    vocab = vocab_size(artifact.graph)
+    for prompt in prompts:
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"--tokens: token {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+    from stepgraph.lower.tensors import compute_dtype, resolve_device
+    from stepgraph.runtime.launch import launch
+    from stepgraph.runtime.prompts import PromptRun, decode_on_rank, gather_logits
+
+    resolve_device(args.device)
+    compute_dtype(args.dtype)
+    options = PromptRun(weights=args.weights, seed=args.seed, device=args.device,
+                        dtype=args.dtype)
+    if world == 1:
+        parts = [decode_on_rank(None, args.spec, prompts, options)]
+    else:
+        parts = launch(decode_on_rank, nproc, args.spec, prompts, options, device=args.device)
+    return save_logits(output, gather_logits(parts, len(prompts)))

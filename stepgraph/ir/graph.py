@@ -144,3 +144,16 @@ class Graph:
         from stepgraph.ir.printer import format_graph
 
         return format_graph(self)
+
+
+def vocab_size(graph: Graph) -> int:
+    """The model's vocabulary: the embedding's rows (the whole table where the shard pass
+    split it over ranks); a large bound when the graph has no embedding."""
+    for node in graph:
+        split = node.attrs.get("vocab_split")
+        if node.op == "embed" and isinstance(split, dict):
+            return int(split["rows"]) * int(split["ways"])
+    for name in ("embed_tokens", "lm_head"):
+        if name in graph.values:
+            return int(graph.values[name].type.shape[0])
+    return 2**31 - 1

@@ -71,7 +71,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, fn: Callable[...,
         results.put((rank, "ok", result))
     except UserError as error:
         results.put((rank, "user", str(error)))
-    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+    except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():

@@ -16,7 +16,7 @@ import torch
 
 from stepgraph.artifact import Artifact, load_artifact
 from stepgraph.errors import UserError
-from stepgraph.ir.graph import Graph
+from stepgraph.ir.graph import Graph, vocab_size
 from stepgraph.ir.types import Storage
 from stepgraph.lower.caches import allocate_caches
 from stepgraph.lower.tensors import compute_dtype
@@ -35,7 +35,8 @@ from stepgraph.runtime.capture import prepare_bin, warm
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.inputs import InputFiller, Limits
 from stepgraph.runtime.progress import progress as progress_bar
-from stepgraph.runtime.providers import load_providers
+from stepgraph.runtime.providers import REGISTRY, load_providers
+from stepgraph.runtime.providers.registry import Registry
 from stepgraph.runtime.step import CompiledStep
 
 GPU_NAMES = {"h200": "H200", "h100": "H100", "b200": "B200"}
@@ -169,6 +170,7 @@ def load(
     allow_target_mismatch: bool = False,
     providers: Sequence[str] | None = None,
     comm: Communicator | None = None,
+    registry: Registry = REGISTRY,
 ) -> CompiledStep:
     """Load a compiled step onto ``device``.
 
@@ -183,11 +185,12 @@ def load(
     use only these providers (e.g. ``("torch", "cublas")``: the torch baseline; ``torch`` is
     always the last resort); ``comm``: this process's rank of a multi-rank step (every rank
     calls ``load`` with the same arguments; weights given by path or ``"random"`` are sliced
-    to the rank's shard, a mapping must hold the rank's shard already).
+    to the rank's shard, a mapping must hold the rank's shard already); ``registry``: the
+    providers to choose from (a benchmark's ablation swaps some).
     """
     graph, document = _graph_of(artifact)
     check_world(graph, comm)
-    vocab = _vocab(graph)
+    vocab = vocab_size(graph)
     graph = rank_graph(graph, comm)
     rank = comm.rank if comm is not None else 0
     device = resolve_device(device)
@@ -239,7 +242,7 @@ def load(
             plan = prepare_bin(graph, size, bindings.for_bin(size), device, compute,
                                preferences, pdl, advance,
                                allowed=None if providers is None else set(providers),
-                               comm=comm)
+                               comm=comm, registry=registry)
             filler.fill_padding(size)
             warm(plan, device)
             if use_graphs:
@@ -248,15 +251,3 @@ def load(
     return CompiledStep(graph=graph, device=device, dtype=compute, bins=bins, q=q, plans=plans,
                         bindings=bindings, arena=arena, filler=filler, caches=caches,
                         target=target, notes=notes, document=document, pool=pool, comm=comm)
-
-
-def _vocab(graph: Graph) -> int:
-    """The model's vocabulary (the whole of it where the embedding is split over ranks)."""
-    for node in graph:
-        split = node.attrs.get("vocab_split")
-        if node.op == "embed" and isinstance(split, dict):
-            return int(split["rows"]) * int(split["ways"])
-    for name in ("embed_tokens", "lm_head"):
-        if name in graph.values:
-            return int(graph.values[name].type.shape[0])
-    return 2**31 - 1

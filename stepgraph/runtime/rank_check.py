@@ -26,12 +26,12 @@ from stepgraph.bench.protocol import fp32_reference
 from stepgraph.bench.weights import device_random_weights
 from stepgraph.frontend import build_step
 from stepgraph.ir.graph import Graph
-from stepgraph.lower.caches import allocate_caches
 from stepgraph.lower.decode import DecodeRunner, run_prompts
 from stepgraph.lower.tensors import compute_dtype
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.decode import CompiledDecodeRunner
 from stepgraph.runtime.loader import load
+from stepgraph.runtime.step import CompiledStep
 from stepgraph.spec import Deployment, Model
 
 
@@ -96,27 +96,40 @@ def _reference_logits(graph: Graph, weights: dict[str, torch.Tensor], prompts: l
     return run_prompts(runner, prompts)
 
 
+def rank_device(name: str) -> torch.device:
+    """This rank's device: its current CUDA device, or the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else \
+        torch.device("cpu")
+
+
 def check_rank(comm: Communicator, artifact_path: str, options: RankCheckOptions) -> RankCheck:
     """This rank's check (see the module docstring)."""
     artifact = load_artifact(artifact_path)
-    graph = artifact.graph
-    device = (torch.device("cuda", torch.cuda.current_device()) if options.device == "cuda"
-              else torch.device("cpu"))
+    device = rank_device(options.device)
     compute = compute_dtype(options.dtype)
     deployment = artifact.document["deployment"]
-    dep = int(deployment.get("dep", 1))
-    bins = sorted(int(b) for b in deployment["batches"])
-    chosen = [b for b in bins if options.bins is None or b in options.bins]
     max_context = options.steps + options.block_size * max(int(deployment.get("dcp", 1)), 1)
-    compiled = load(artifact, weights=device_random_weights(graph, options.seed, compute,
-                                                            device, comm.rank),
-                    device=device, dtype=options.dtype, seed=options.seed,
+    weights = device_random_weights(artifact.graph, options.seed, compute, device, comm.rank)
+    compiled = load(artifact, weights=weights, device=device, dtype=options.dtype,
                     max_context=max_context, block_size=options.block_size,
                     capture=options.capture, progress=False, comm=comm,
                     providers=options.providers)
+    return compare_with_reference(compiled, comm, artifact.document, options)
+
+
+def compare_with_reference(compiled: CompiledStep, comm: Communicator,
+                           document: dict[str, Any], options: RankCheckOptions) -> RankCheck:
+    """Decode ``options.steps`` tokens of fresh requests at every chosen bin through
+    ``compiled`` (loaded on seed ``options.seed``'s device random weights) and compare this
+    rank's logits with the reference executor's (see the module docstring)."""
+    device = compiled.device
+    deployment = document["deployment"]
+    dep = int(deployment.get("dep", 1))
+    bins = sorted(int(b) for b in deployment["batches"])
+    chosen = [b for b in bins if options.bins is None or b in options.bins]
     vocab = compiled.limits.vocab
-    reference = reference_graph(artifact.document, [b * dep for b in bins])
-    full = device_random_weights(reference, options.seed, compute, device, 0)
+    reference = reference_graph(document, [b * dep for b in bins])
+    full = device_random_weights(reference, options.seed, compiled.dtype, device, 0)
     result = RankCheck(comm.rank, report=compiled.report())
     member = comm.member(dep) if dep > 1 else 0
     with torch.inference_mode():
@@ -129,11 +142,12 @@ def check_rank(comm: Communicator, artifact_path: str, options: RankCheckOptions
                                      options.block_size)[member * size:(member + 1) * size]
             result.errors[size] = relative_error(got, want)
             result.nan[size] = bool(np.isnan(got[~np.isnan(want)]).any())
-            if options.dtype == "bfloat16":
+            if compiled.dtype == torch.bfloat16:
                 plain = _reference_logits(reference, full, everyone, device, "bfloat16",
                                           options.block_size)
                 result.bf16_reference[size] = relative_error(
                     plain[member * size:(member + 1) * size], want)
+    del full
     return result
 
 

@@ -145,13 +145,16 @@ def scatter_columns(x: torch.Tensor, out: torch.Tensor, comm: Communicator, ways
     rows = x.shape[0]
     part = (*x.shape[:axis], ways, x.shape[axis] // ways, *x.shape[axis + 1:])
     stage = torch.empty((ways, *out.shape), dtype=x.dtype, device=x.device)
-    target, back = _contiguous_target(out)
     if out.dtype != x.dtype:
         target = torch.empty(out.shape, dtype=x.dtype, device=x.device)
-        back = (lambda t=target: out.copy_(t))
+
+        def back() -> None:
+            out.copy_(target)
+    else:
+        target, back = _contiguous_target(out)
 
     def launch() -> None:
-        stage.copy_(x.view(part).movedim(axis, 0))
+        stage.copy_(x.reshape(part).movedim(axis, 0))
         comm.reduce_scatter_rows(target, stage.view(ways * rows, *out.shape[1:]), ways)
         back()
 
@@ -205,7 +208,8 @@ def ep_dispatch(ctx: PrepareContext, comm: Communicator, ways: int) -> Launch:
     """Every member's rows (latent, expert ids, expert weights) stacked in member order."""
     pairs = []
     for x, out in zip(ctx.inputs(), ctx.outputs(), strict=True):
-        source = x.contiguous() if not x.is_contiguous() else x
+        source = x if x.is_contiguous() else torch.empty_like(
+            x, memory_format=torch.contiguous_format)
         target, back = _contiguous_target(out)
         pairs.append((x, source, target, back))
 

@@ -38,7 +38,8 @@ from stepgraph.runtime.providers.collectives import sharded_rmsnorm, vocab_paral
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
 
 BOTH = ("cuda", "cpu")
-MULTI_RANK = "the torch provider runs it on one rank only (the collectives module runs it over several)"
+MULTI_RANK = ("the torch provider runs it on one rank only (the collectives module runs it "
+              "over several)")
 
 _IR_DTYPES = {
     torch.bfloat16: "bfloat16",

@@ -40,12 +40,16 @@ from stepgraph.runtime.inputs import StepInputs
 from stepgraph.runtime.loader import load
 from stepgraph.runtime.providers import REGISTRY, load_providers
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, ProviderEntry, Registry
-from stepgraph.runtime.rank_check import RankCheckOptions, compare_with_reference, rank_device
+from stepgraph.runtime.rank_check import (
+    RankCheckOptions,
+    compare_with_reference,
+    rank_device,
+    router_ids,
+)
 from stepgraph.runtime.step import CompiledStep
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "dcp_gather", "lse_merge",
                "ep_dispatch", "ep_combine")
-CHECK_LIMIT = 1e-2
 TORCH_COMPILE_NOTE = ("torch.compile: not run over ranks (on one GPU it skips CUDA graphs "
                       "because the step mutates its caches, and recompiles per row count)")
 
@@ -80,10 +84,13 @@ class RankBin:
     no_collectives_us: float = math.nan
     eager_us: float = math.nan
 
+    check_passed: bool = False
+    routing_flips: int = 0
+
     @property
     def check_failed(self) -> bool:
-        """Whether the numerical check failed (error at or above the limit, or NaN)."""
-        return self.check_nan or not self.check_error < CHECK_LIMIT
+        """Whether the numerical check failed (see ``RankCheck.passed``)."""
+        return not self.check_passed
 
 
 @dataclass
@@ -157,7 +164,7 @@ def run_rank_bench(comm: Communicator, artifact_path: str, options: RankBenchOpt
     weights = device_random_weights(graph, options.seed, torch.bfloat16, device, comm.rank)
     common = dict(weights=weights, device=device, dtype="bfloat16", comm=comm,
                   max_context=options.context, block_size=64, progress=comm.rank == 0)
-    compiled = load(artifact, **common)
+    compiled = load(artifact, **common, keep=list(router_ids(graph).values()))
     checks = compare_with_reference(compiled, comm, document, RankCheckOptions(
         seed=options.seed, steps=options.check_steps, bins=tuple(chosen),
         block_size=compiled.block_size))
@@ -171,9 +178,10 @@ def run_rank_bench(comm: Communicator, artifact_path: str, options: RankBenchOpt
     local_context = max(options.context // dcp, 1)
     with torch.inference_mode():
         for size in chosen:
-            result = RankBin(size, checks.errors[size], checks.bf16_reference.get(size,
-                                                                                 math.nan),
-                             checks.nan[size])
+            result = RankBin(size, checks.errors[size],
+                             checks.bf16_reference.get(size, math.nan), checks.nan[size],
+                             check_passed=checks.passed(size),
+                             routing_flips=checks.flips.get(size, 0))
             bench.bins.append(result)
             feeds = build_feeds(size, compiled.q, options.sets, local_context,
                                 compiled.block_size, compiled.limits.width,
@@ -205,7 +213,7 @@ def format_rank_bench(results: list[RankBench], header: str) -> str:
     ranks), the check, the collectives' time (stepgraph minus no-collectives)."""
     lines = [header, "", f"device: {results[0].device} x {len(results)}; copy bandwidth "
              f"{min(r.bandwidth for r in results) / 1e12:.2f} TB/s (slowest rank)", ""]
-    head = ["B", "check (max over ranks)", "bf16 ref", "floor us", "stepgraph us",
+    head = ["B", "check (max over ranks)", "bf16 ref", "flips", "floor us", "stepgraph us",
             "floor/time", "no-collectives us", "collectives us", "eager us", "eager/stepgraph"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for index, first in enumerate(results[0].bins):
@@ -218,7 +226,8 @@ def format_rank_bench(results: list[RankBench], header: str) -> str:
         ablated = max(b.no_collectives_us for b in per)
         eager = max(b.eager_us for b in per)
         check = f"{error:.2e}" + (" FAILED" if failed else "")
-        cells = [str(first.rows), check, f"{noise:.2e}", f"{floor:.1f}",
+        flips = max(b.routing_flips for b in per)
+        cells = [str(first.rows), check, f"{noise:.2e}", str(flips), f"{floor:.1f}",
                  "-" if failed else f"{step:.1f}",
                  "-" if failed else f"{100 * floor / step:.1f} %",
                  _us(ablated), _us(step - ablated), _us(eager),

@@ -16,7 +16,7 @@ same factor, which keeps disjoint byte ranges disjoint.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,12 +151,14 @@ def regroup_launches(graph: Graph, bound: Mapping[str, torch.Tensor]
 
 
 def static_buffers(graph: Graph, storage: Storage, rows: int, symbols: Mapping[str, int],
-                   compute: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Zeroed buffers for every value of ``storage`` (inputs or outputs) at ``rows`` rows."""
+                   compute: torch.dtype, device: torch.device,
+                   names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """Zeroed buffers for every value of ``storage`` (inputs or outputs; ``names`` only,
+    when given) at ``rows`` rows."""
     return {
         value.name: torch.zeros(_shape(value, rows, symbols),
                                 dtype=storage_dtype(value.type.dtype, compute), device=device)
-        for value in graph.values_of(storage)
+        for value in graph.values_of(storage) if names is None or value.name in names
     }
 
 

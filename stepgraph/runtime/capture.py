@@ -142,13 +142,18 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
                 preferences: Callable[[str], Sequence[str]], pdl: bool,
                 advance: Callable[[int, str], None] | None = None,
                 registry: Registry = REGISTRY, allowed: Collection[str] | None = None,
-                comm: Communicator | None = None) -> BinPlan:
+                comm: Communicator | None = None,
+                kept: Mapping[str, torch.Tensor] | None = None) -> BinPlan:
     """Every node's launch at bin ``rows`` in program order (``preferences(op)``: the op's
     providers from the tactic tables, preferred first; ``allowed``: see
-    :func:`prepare_node`; ``comm``: the ranks of a multi-rank step). A node whose output has
+    :func:`prepare_node`; ``comm``: the ranks of a multi-rank step; ``kept``: buffers that
+    keep a copy of these temps' first ``rows`` rows after the step). A node whose output has
     views of column groups refreshes their buffers right after it runs."""
     launches, choices = [], []
     regroups = regroup_launches(graph, bound)
+    for name, buffer in (kept or {}).items():
+        regroups.setdefault(name, []).append(
+            lambda src=bound[name], dst=buffer[:rows]: dst.copy_(src))
     for node in graph:
         wanted, tactic = decision(graph, node, rows)
         ctx = BinContext(node, rows, tactic, node_pdl(graph, node, rows, pdl), device, dtype,

@@ -171,6 +171,7 @@ def load(
     providers: Sequence[str] | None = None,
     comm: Communicator | None = None,
     registry: Registry = REGISTRY,
+    keep: Sequence[str] = (),
 ) -> CompiledStep:
     """Load a compiled step onto ``device``.
 
@@ -186,7 +187,9 @@ def load(
     always the last resort); ``comm``: this process's rank of a multi-rank step (every rank
     calls ``load`` with the same arguments; weights given by path or ``"random"`` are sliced
     to the rank's shard, a mapping must hold the rank's shard already); ``registry``: the
-    providers to choose from (a benchmark's ablation swaps some).
+    providers to choose from (a benchmark's ablation swaps some); ``keep``: temps whose
+    values the step copies into ``CompiledStep.kept`` as they are produced (a check reads
+    the step's routing there).
     """
     graph, document = _graph_of(artifact)
     check_world(graph, comm)
@@ -224,6 +227,11 @@ def load(
         inputs=static_buffers(graph, Storage.INPUT, bins[-1], symbols, compute, device),
         outputs=static_buffers(graph, Storage.OUTPUT, bins[-1], symbols, compute, device),
     )
+    unknown = [name for name in keep if name not in graph.values
+               or graph.values[name].storage is not Storage.TEMP]
+    if unknown:
+        raise UserError(f"keep: {', '.join(unknown)} are not temps of this step")
+    kept = static_buffers(graph, Storage.TEMP, bins[-1], symbols, compute, device, set(keep))
     scale = arena_scale(graph, compute)
     arena = Arena.allocate(int(graph.meta["memory"]["arena_bytes"]), scale, device)
     filler = InputFiller(bindings.inputs, Limits(slots, blocks, block_size, width, vocab, q))
@@ -242,7 +250,7 @@ def load(
             plan = prepare_bin(graph, size, bindings.for_bin(size), device, compute,
                                preferences, pdl, advance,
                                allowed=None if providers is None else set(providers),
-                               comm=comm, registry=registry)
+                               comm=comm, registry=registry, kept=kept)
             filler.fill_padding(size)
             warm(plan, device)
             if use_graphs:
@@ -250,4 +258,5 @@ def load(
             plans[size] = plan
     return CompiledStep(graph=graph, device=device, dtype=compute, bins=bins, q=q, plans=plans,
                         bindings=bindings, arena=arena, filler=filler, caches=caches,
-                        target=target, notes=notes, document=document, pool=pool, comm=comm)
+                        target=target, notes=notes, document=document, pool=pool, comm=comm,
+                        kept=kept)

@@ -44,6 +44,7 @@ class CompiledStep:
     document: dict[str, Any] | None = None
     pool: Any = None
     comm: Communicator | None = None
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ sizes
 

@@ -62,6 +62,16 @@ def comm_of(ctx: PrepareContext, ways: int) -> Communicator:
     return comm
 
 
+def _staged_source(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                  Callable[[], None]]:
+    """``x`` itself when contiguous and of ``dtype``, else a contiguous ``dtype`` buffer and
+    the copy that fills it (run in the launch: a collective's two sides share one dtype)."""
+    if x.is_contiguous() and x.dtype == dtype:
+        return x, lambda: None
+    buffer = torch.empty(x.shape, dtype=dtype, device=x.device)
+    return buffer, lambda: buffer.copy_(x)
+
+
 def _contiguous_target(out: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """``out`` itself when contiguous, else a contiguous buffer and the copy back."""
     if out.is_contiguous():
@@ -118,8 +128,7 @@ def gather_columns(x: torch.Tensor, out: torch.Tensor, comm: Communicator, ways:
     """``out`` = the members' ``x`` concatenated along ``axis`` (1 for [R, c] columns or
     [R, h, D] heads); ``out``'s dimension ``axis`` is ``ways`` times ``x``'s."""
     rows = x.shape[0]
-    source = x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
-    stage_source = (lambda: None) if source is x else (lambda: source.copy_(x))
+    source, stage_source = _staged_source(x, out.dtype)
     if rows == 1 and out.is_contiguous():
         flat = out.view(ways, *x.shape)
 
@@ -128,7 +137,7 @@ def gather_columns(x: torch.Tensor, out: torch.Tensor, comm: Communicator, ways:
             comm.all_gather_rows(flat.view(ways * rows, *x.shape[1:]), source, ways)
 
         return direct
-    stage = torch.empty((ways, *x.shape), dtype=x.dtype, device=x.device)
+    stage = torch.empty((ways, *x.shape), dtype=out.dtype, device=x.device)
     split = out.view(*out.shape[:axis], ways, x.shape[axis], *out.shape[axis + 1:])
 
     def launch() -> None:
@@ -208,15 +217,13 @@ def ep_dispatch(ctx: PrepareContext, comm: Communicator, ways: int) -> Launch:
     """Every member's rows (latent, expert ids, expert weights) stacked in member order."""
     pairs = []
     for x, out in zip(ctx.inputs(), ctx.outputs(), strict=True):
-        source = x if x.is_contiguous() else torch.empty_like(
-            x, memory_format=torch.contiguous_format)
+        source, stage = _staged_source(x, out.dtype)
         target, back = _contiguous_target(out)
-        pairs.append((x, source, target, back))
+        pairs.append((stage, source, target, back))
 
     def launch() -> None:
-        for x, source, target, back in pairs:
-            if source is not x:
-                source.copy_(x)
+        for stage, source, target, back in pairs:
+            stage()
             comm.all_gather_rows(target, source, ways)
             back()
 
@@ -227,14 +234,18 @@ def ep_combine(ctx: PrepareContext, comm: Communicator, ways: int) -> Launch:
     """The sum over members of this member's rows."""
     (x,), (out,) = ctx.inputs(), ctx.outputs()
     # NCCL reads its input only; Gloo sums in place, so it works on a copy.
-    stage = x if comm.is_nccl and x.is_contiguous() else torch.empty_like(
-        x, memory_format=torch.contiguous_format)
+    if comm.is_nccl:
+        source, stage = _staged_source(x, out.dtype)
+    else:
+        source = torch.empty(x.shape, dtype=out.dtype, device=x.device)
+
+        def stage() -> None:
+            source.copy_(x)
     target, back = _contiguous_target(out)
 
     def launch() -> None:
-        if stage is not x:
-            stage.copy_(x)
-        comm.reduce_scatter_rows(target, stage, ways)
+        stage()
+        comm.reduce_scatter_rows(target, source, ways)
         back()
 
     return launch

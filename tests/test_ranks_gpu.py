@@ -1,8 +1,9 @@
 """Multi-rank steps on two GPUs (nvidia-h200-x2): NCCL collectives captured inside each rank's
 CUDA graphs. TP2, TP2 + DCP2 and DEP2 of tiny_k3 and of a 4-layer real-dimension K3 slice
-(k3_tp2's model) match the single-GPU reference executor on the same full weights, in BF16,
-for every bin (the criterion of stepgraph.runtime.rank_check: under 1e-2, or within 1.5x of
-the reference executor's own BF16 error). Skips without two CUDA devices."""
+(k3_tp2's model) match the single-GPU reference executor on the same full weights, for every
+bin: tiny_k3 in float32 on the torch providers (under 1e-4), the real-dimension slice in BF16
+on the H200 providers (the criterion of stepgraph.runtime.rank_check: under 1e-2, or within
+1.5x of the reference executor's own BF16 error). Skips without two CUDA devices."""
 
 from __future__ import annotations
 
@@ -42,23 +43,32 @@ def artifact(tmp_path: Path, spec_name: str, **deployment) -> str:
     return str(path)
 
 
-def _check(path: str, label: str) -> None:
-    checks = launch(check_rank, 2, path, RankCheckOptions(dtype="bfloat16", steps=4))
+def _check(path: str, label: str, options: RankCheckOptions, limit: float | None = None
+           ) -> None:
+    checks = launch(check_rank, 2, path, options)
     table = format_checks(checks)
-    print(f"\n{label}\n{table}{checks[0].report}")
+    print(f"\n{label} ({options.dtype})\n{table}{checks[0].report}")
     for check in checks:
         assert sorted(check.errors) == sorted(int(b) for b in BINS[label.split()[0]])
         for size in check.errors:
-            assert check.passed(size), f"{label} rank {check.rank} bin {size}:\n{table}"
+            ok = check.passed(size) if limit is None else (
+                not check.nan[size] and check.errors[size] < limit)
+            assert ok, f"{label} rank {check.rank} bin {size}:\n{table}"
 
 
 @pytest.mark.parametrize("label", sorted(DEPLOYMENTS))
-def test_tiny_k3_on_two_gpus_matches_the_reference(tmp_path: Path, label: str) -> None:
-    _check(artifact(tmp_path, "tiny_k3", **DEPLOYMENTS[label]), f"tiny_k3 {label}")
+def test_tiny_k3_on_two_gpus_matches_the_reference_in_fp32(tmp_path: Path, label: str) -> None:
+    """The torch providers in float32 (exact arithmetic up to summation order) with the
+    NCCL collectives captured in the CUDA graphs."""
+    options = RankCheckOptions(dtype="float32", steps=4, providers=("torch", "cublas", "nccl"))
+    _check(artifact(tmp_path, "tiny_k3", **DEPLOYMENTS[label]), f"tiny_k3 {label}", options,
+           limit=1e-4)
 
 
 @pytest.mark.parametrize("label", sorted(DEPLOYMENTS))
-def test_real_dimension_slice_on_two_gpus_matches_the_reference(tmp_path: Path,
-                                                                label: str) -> None:
+def test_real_dimension_slice_on_two_gpus_matches_the_reference_in_bf16(tmp_path: Path,
+                                                                        label: str) -> None:
+    """The H200 providers (Triton kernels, cuBLAS, NCCL) in BF16 on K3's real dimensions."""
     deployment = {"tp": 1, "dcp": 1, "dep": 1, **DEPLOYMENTS[label]}
-    _check(artifact(tmp_path, "k3_tp2", **deployment), f"k3_tp2 {label}")
+    _check(artifact(tmp_path, "k3_tp2", **deployment), f"k3_tp2 {label}",
+           RankCheckOptions(dtype="bfloat16", steps=4))

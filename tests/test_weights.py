@@ -18,6 +18,7 @@ from conftest import MODELS  # noqa: E402
 from stepgraph.compiler import compile_graph  # noqa: E402
 from stepgraph.errors import UserError  # noqa: E402
 from stepgraph.frontend import build_step  # noqa: E402
+from stepgraph.ir.types import Storage  # noqa: E402
 from stepgraph.lower.weights import load_weights, random_weights  # noqa: E402
 from stepgraph.spec_loader import load_spec  # noqa: E402
 
@@ -235,3 +236,43 @@ def test_tensor_parallel_ranks_take_their_part() -> None:
              for r in (0, 1)]
     assert parts[0].shape == (HIDDEN, HEADS * DIM // 2)
     assert torch.equal(torch.cat(parts, dim=1), whole)
+
+
+@pytest.mark.parametrize("host_limit", [300, 600, 2000])
+@pytest.mark.parametrize("deployment", [{"tp": 2}, {"dep": 2}, {"tp": 2, "dcp": 2}])
+def test_device_random_weights_of_a_rank_are_its_part_of_the_unsharded_graphs(
+        deployment, host_limit, monkeypatch) -> None:
+    """Every segment of every rank's packed weight equals its part of the same logical
+    tensor in the unsharded frontend graph, whichever drawing path (host or device) the
+    size limit sends each tensor down (a small router gate packed into a large front
+    included)."""
+    from stepgraph.bench import weights as bench_weights
+    from stepgraph.compiler import compile_graph
+    from stepgraph.frontend import build_step
+    from stepgraph.spec_loader import override_deployment
+
+    monkeypatch.setattr(bench_weights, "HOST_LIMIT", host_limit)
+    spec = load_spec(MODELS / "tiny_k3.yaml")
+    sharded, _ = compile_graph(spec, override_deployment(spec.deployment, **deployment))
+    plain = build_step(spec.model, override_deployment(spec.deployment, tp=1))
+    full = bench_weights.device_random_weights(plain, 3, torch.float32, "cpu")
+    logical = {}
+    for value in plain.values_of(Storage.WEIGHT):
+        for segment in value.segments:
+            logical[segment.source] = full[value.name][segment.offset:
+                                                       segment.offset + segment.rows]
+    checked = 0
+    for rank in range(2):
+        mine = bench_weights.device_random_weights(sharded, 3, torch.float32, "cpu", rank)
+        for value in sharded.values_of(Storage.WEIGHT):
+            for segment in value.segments:
+                if segment.source is None:
+                    continue
+                want = logical[segment.source]
+                split = segment.split or (value.split if len(value.segments) == 1 else None)
+                if split is not None and split.ways > 1:
+                    want = want.chunk(split.ways, dim=split.dim)[rank % split.ways]
+                got = mine[value.name][segment.offset:segment.offset + segment.rows]
+                assert torch.equal(got, want.reshape(got.shape)), (value.name, segment.source)
+                checked += 1
+    assert checked > 50

@@ -2,13 +2,15 @@
 weights, which :func:`stepgraph.lower.weights.random_weights` would draw in float32 on the
 host (minutes of GPU-machine time).
 
-Small tensors (up to :data:`HOST_LIMIT` elements: norms, biases, gates, conv kernels) come
-from :class:`~stepgraph.lower.weights.RandomWeights`, so they are exactly those of
-``--weights random``; larger ones (projections, experts, the embedding) are drawn on the
-device with a generator seeded by (seed, weight name, segment, expert): N(0, 1) for the
-embedding, N(0, 1 / fan_in) otherwise, the scale RandomWeights uses. The values of a big
-tensor therefore differ from ``stepgraph run --weights random``'s, but depend only on the
-seed and names, like them: the pdl and no-pdl compilations of one spec get the same weights.
+Small logical tensors (up to :data:`HOST_LIMIT` elements: norms, biases, router gates, conv
+kernels) come from :class:`~stepgraph.lower.weights.RandomWeights`, so they are exactly those
+of ``--weights random``, wherever the graph packs or splits them; larger ones (projections,
+experts, the embedding) are drawn on the device with a generator seeded by (seed, logical
+tensor name, expert): N(0, 1) for the embedding, N(0, 1 / fan_in) otherwise, the scale
+RandomWeights uses. The values of a big tensor therefore differ from ``stepgraph run
+--weights random``'s, but depend only on the seed and the logical tensor, like them: the pdl
+and no-pdl compilations of one spec, and every rank's shard of a sharded plan, get the same
+values as the unsharded graph (a rank holds its part of each logical tensor).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from stepgraph.ir.graph import Graph
 from stepgraph.ir.types import Storage, eval_dim
 from stepgraph.ir.values import Segment, Value
 from stepgraph.lower.tensors import storage_dtype
-from stepgraph.lower.weights import RandomWeights, Weights, materialize
+from stepgraph.lower.weights import RandomWeights, Weights
 
 HOST_LIMIT = 1 << 20
 
@@ -52,19 +54,40 @@ def _split_of(value: Value, segment: Segment):
 
 def _fill_segment(value: Value, segment: Segment, target: torch.Tensor, seed: int,
                   rank: int, device: torch.device) -> None:
-    """Fill ``target`` (the segment's rows of the packed weight) on the device."""
+    """Fill ``target`` (the segment's rows of the packed weight): the rank's part of the
+    segment's logical tensor, drawn on the host by RandomWeights when the logical tensor is
+    small, on the device otherwise (a rule on the logical tensor, so that every graph that
+    holds it, packed or not, split or not, gets the same values)."""
     source = segment.source
     assert source is not None
     split = _split_of(value, segment)
     shape = tuple(target.shape)
-    if split is not None and split.ways > 1:
-        full = list(shape)
+    full = list(shape)
+    if split is not None:
         full[split.dim] *= split.ways
+    if math.prod(full) <= HOST_LIMIT:
+        logical = _host_logical(value, source, tuple(full), seed)
+    elif split is None or split.ways == 1:
+        _fill_logical(source, shape, target, seed, device)
+        return
+    else:
         logical = torch.empty(full, dtype=target.dtype, device=device)
         _fill_logical(source, tuple(full), logical, seed, device)
-        target.copy_(logical.chunk(split.ways, dim=split.dim)[rank % split.ways])
-        return
-    _fill_logical(source, shape, target, seed, device)
+    if split is not None and split.ways > 1:
+        logical = logical.chunk(split.ways, dim=split.dim)[rank % split.ways]
+    target.copy_(logical)
+
+
+def _host_logical(value: Value, source: str, shape: tuple[int, ...], seed: int
+                  ) -> torch.Tensor:
+    """A small logical tensor exactly as :class:`RandomWeights` (``--weights random``)
+    draws it."""
+    host = RandomWeights(seed)
+    if "*" in source:
+        prefix = source.split(".*.", 1)[0]
+        parts = tuple(value.attrs.get("stacked", (source.rsplit(".", 1)[-1],)))
+        return host.stacked(prefix, parts, shape, value.type.dtype)
+    return host.tensor(source, shape, value.type.dtype)
 
 
 def _fill_logical(source: str, shape: tuple[int, ...], out: torch.Tensor, seed: int,
@@ -84,14 +107,9 @@ def device_random_weights(graph: Graph, seed: int = 0, dtype: torch.dtype = torc
     """Every weight value of ``graph`` (packed as the graph says) on ``device``; activation-
     dtype weights in ``dtype``, float32 ones in float32 (see the module docstring)."""
     device = torch.device(device)
-    host = RandomWeights(seed)
-    small = Graph(graph.name)
     weights: Weights = {}
     for value in graph.values_of(Storage.WEIGHT):
         shape = tuple(eval_dim(d, 1) for d in value.type.shape)
-        if math.prod(shape) <= HOST_LIMIT:
-            small.add_value(value)
-            continue
         held = storage_dtype(value.type.dtype, dtype)
         tensor = torch.zeros(shape, dtype=held, device=device)  # padding segments stay zero
         for segment in value.segments:
@@ -100,10 +118,7 @@ def device_random_weights(graph: Graph, seed: int = 0, dtype: torch.dtype = torc
             rows = tensor[segment.offset : segment.offset + segment.rows]
             _fill_segment(value, segment, rows, seed, rank, device)
         weights[value.name] = tensor
-    if small.values:
-        for name, tensor in materialize(small, host, rank, dtype, "cpu").items():
-            weights[name] = tensor.to(device)
-    return {v.name: weights[v.name] for v in graph.values_of(Storage.WEIGHT)}
+    return weights
 
 
 def weight_bytes(weights: Weights) -> int:

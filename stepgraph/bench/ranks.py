@@ -162,8 +162,10 @@ def run_rank_bench(comm: Communicator, artifact_path: str, options: RankBenchOpt
     bins = sorted(int(b) for b in deployment["batches"])
     chosen = [b for b in bins if options.batches is None or b in options.batches]
     weights = device_random_weights(graph, options.seed, torch.bfloat16, device, comm.rank)
+    q = int(deployment.get("q", 1))
     common = dict(weights=weights, device=device, dtype="bfloat16", comm=comm,
-                  max_context=options.context, block_size=64, progress=comm.rank == 0)
+                  max_context=options.context, block_size=64, progress=comm.rank == 0,
+                  max_requests=options.sets * max(chosen) // q)  # the input sets' requests
     compiled = load(artifact, **common, keep=list(router_ids(graph).values()))
     checks = compare_with_reference(compiled, comm, document, RankCheckOptions(
         seed=options.seed, steps=options.check_steps, bins=tuple(chosen),

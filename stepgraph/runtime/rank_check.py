@@ -32,6 +32,7 @@ import torch
 
 from stepgraph.artifact import load_artifact
 from stepgraph.bench.protocol import Routing, fp32_reference
+from stepgraph.bench.table import CHECK_LIMIT, NOISE_FACTOR, within_bf16_criterion
 from stepgraph.bench.weights import device_random_weights
 from stepgraph.errors import UserError
 from stepgraph.frontend import build_step
@@ -44,8 +45,7 @@ from stepgraph.runtime.loader import load
 from stepgraph.runtime.step import CompiledStep
 from stepgraph.spec import Deployment, Model
 
-LIMIT = 1e-2  # the relative error a BF16 step must stay under (or within the noise below)
-NOISE_FACTOR = 1.5  # ... or within this factor of the BF16 reference's own error
+LIMIT = CHECK_LIMIT
 
 
 @dataclass(frozen=True)
@@ -79,13 +79,12 @@ class RankCheck:
     report: str = ""
 
     def passed(self, size: int, limit: float = LIMIT) -> bool:
-        """Bin ``size`` passed: no NaN, and its error is under ``limit`` or, for a BF16
-        step, under :data:`NOISE_FACTOR` times the BF16 reference's own error (the model's
-        BF16 noise at these weights; what the single-GPU tests accept too)."""
+        """Bin ``size`` passed: no NaN, and :func:`~stepgraph.bench.table.within_bf16_criterion`
+        (under ``limit``, or for a BF16 step within 1.5x of the BF16 reference's own error;
+        the single-GPU bench and tests accept the same)."""
         if self.nan[size]:
             return False
-        bound = max(limit, NOISE_FACTOR * self.bf16_reference.get(size, 0.0))
-        return self.errors[size] < bound
+        return within_bf16_criterion(self.errors[size], self.bf16_reference.get(size), limit)
 
 
 def prompts_for(seed: int, bin_rows: int, requests: int, steps: int, vocab: int

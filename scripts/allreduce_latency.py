@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import warnings
@@ -36,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from stepgraph.runtime.launch import free_port
 
 WORLD = 2
 METHODS = ("nccl", "symm_one_shot", "symm_two_shot")
@@ -51,13 +52,6 @@ class Case:
     reset: Callable[[], object]
     result: Callable[[], torch.Tensor]
     in_place: bool
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -426,3 +426,29 @@ def test_a_declining_provider_falls_back_and_says_why() -> None:
     with pytest.raises(ValueError, match="a bug") as caught:
         prepare_node(ctx, "broken", [], registry)
     assert "while preparing node" in " ".join(caught.value.__notes__)
+
+
+def test_touched_experts_read_from_the_launches_match_the_reference_routing() -> None:
+    """The bench's count of touched experts (ids copied from the compiled step's launches as
+    they run) equals the count from the reference executor's routing on the same inputs."""
+    from stepgraph.bench.protocol import touched_experts
+    from stepgraph.bench.ranks import touched_experts_of
+
+    graph = compiled("tiny_k3")
+    step = cpu_step(graph)
+    rows = 4
+    feed = {"tokens": np.array([3, 77, 150, 201], np.int32),
+            "positions": np.zeros(rows, np.int32),
+            "kda_state_indices": np.arange(rows, dtype=np.int32),
+            "block_tables": np.arange(rows, dtype=np.int32)[:, None],
+            "seq_lens": np.ones(rows, np.int32),
+            "slot_mapping": (np.arange(rows) * BLOCK_SIZE).astype(np.int64)}
+    step.filler.fill(StepInputs.from_feed(feed), rows)
+    got = touched_experts_of(step, rows)
+    weights = random_weights(graph, 0, dtype=torch.float32)
+    caches = allocate_caches(graph, rows + 1, rows + 1, BLOCK_SIZE)
+    reference = ReferenceExecutor(graph, weights, caches)
+    reference.step({k: torch.from_numpy(v) for k, v in feed.items()}, keep_values=True)
+    want = touched_experts(graph, reference.last_values, rows)
+    assert got == want
+    assert len(got) == 5 and all(1 <= n <= 8 for n in got.values())

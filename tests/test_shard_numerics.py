@@ -30,6 +30,7 @@ from stepgraph.lower.weights import RandomWeights, materialize  # noqa: E402
 from stepgraph.passes.manager import CompileContext, run_pipeline  # noqa: E402
 from stepgraph.passes.pack import Pack  # noqa: E402
 from stepgraph.passes.shard import Shard  # noqa: E402
+from stepgraph.runtime.loader import rank_graph  # noqa: E402
 from stepgraph.spec import Deployment  # noqa: E402
 from stepgraph.spec_loader import load_spec  # noqa: E402
 
@@ -45,6 +46,7 @@ class Ranks:
 
     def __init__(self, graph: Graph, ranks: int, requests: int) -> None:
         self.g, self.n = graph, ranks
+        self.rank_nodes = [{n.name: n for n in rank_graph(graph, r)} for r in range(ranks)]
         self.fixed = []
         for rank in range(ranks):
             weights = materialize(graph, RandomWeights(7), rank=rank, dtype=F32)
@@ -82,11 +84,8 @@ class Ranks:
             if results is None:
                 results = []
                 for r in range(n):
-                    attrs = node.attrs
-                    if "expert_split" in attrs:
-                        attrs = {**attrs, "expert_offset": r * attrs["local_experts"]}
-                    call = OpCall(node.evolve(attrs=attrs), ins[r], [v.type for v in outs],
-                                  dtypes, F32, rows)
+                    call = OpCall(self.rank_nodes[r][node.name], ins[r],
+                                  [v.type for v in outs], dtypes, F32, rows)
                     results.append(REFERENCE_OPS[node.op](call))
             for r in range(n):
                 for value, tensor, dtype in zip(outs, results[r], dtypes, strict=True):

@@ -33,7 +33,13 @@ import torch
 
 from stepgraph.artifact import load_artifact
 from stepgraph.bench.floor import step_bytes
-from stepgraph.bench.protocol import build_feeds, copy_bandwidth, fill_caches, time_calls
+from stepgraph.bench.protocol import (
+    build_feeds,
+    copy_bandwidth,
+    fill_caches,
+    time_calls,
+    touched_experts,
+)
 from stepgraph.bench.weights import device_random_weights
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.inputs import StepInputs
@@ -123,25 +129,21 @@ def noop_collectives() -> Registry:
     return registry
 
 
-def touched_experts(compiled: CompiledStep, size: int, rows: int) -> dict[str, int]:
+def touched_experts_of(compiled: CompiledStep, size: int) -> dict[str, int]:
     """Distinct local experts each routed-experts launch touches for the bin's current
-    inputs: the bin's launches run eagerly once and each expert launch's ids are read just
-    before it runs (``rows`` real rows; times the group for dispatched rows)."""
+    inputs (every row real): the bin's launches run eagerly once and each expert launch's
+    ids are copied just before it runs (the arena reuses their bytes later in the step)."""
     plan = compiled.plans[size]
     bound = compiled.bindings.for_bin(size)
     nodes = {node.name: node for node in compiled.graph}
-    touched = {}
+    seen: dict[str, torch.Tensor] = {}
     for name, launch in zip(plan.names, plan.launches, strict=True):
         node = nodes[name]
         if node.op == "routed_experts":
-            ids = bound[node.inputs[1]]
-            reach = ids.shape[0] // size * rows
-            offset, local = int(node.attrs["expert_offset"]), int(node.attrs["local_experts"])
-            picked = ids[:reach].reshape(-1).long()
-            inside = picked[(picked >= offset) & (picked < offset + local)]
-            touched[name] = int(torch.unique(inside).numel())
+            seen[node.inputs[1]] = bound[node.inputs[1]].clone()
         launch()
-    return touched
+    rows = max((ids.shape[0] for ids in seen.values()), default=size)  # dispatched: n x size
+    return touched_experts(compiled.graph, seen, rows)
 
 
 def _median(call: Any, args: list[Any], options: RankBenchOptions, comm: Communicator,
@@ -191,7 +193,7 @@ def run_rank_bench(comm: Communicator, artifact_path: str, options: RankBenchOpt
             inputs = [StepInputs.from_feed(f) for f in feeds]
             compiled.filler.fill(inputs[0], size)
             nbytes = step_bytes(compiled.graph, size, options.context,
-                                touched_experts(compiled, size, size),
+                                touched_experts_of(compiled, size),
                                 compiled.block_size)
             result.step_bytes = nbytes.total
             result.floor_us = nbytes.floor_us(bench.bandwidth)

@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from stepgraph.commands.common import parse_int_list
+from stepgraph.commands.common import check_nproc, parse_int_list
 from stepgraph.errors import UserError
 
 MODE_FLAGS = {"eager": "eager", "compile": "torch_compile", "stepgraph": "stepgraph",
@@ -129,10 +129,7 @@ def run(args: argparse.Namespace) -> int:
 
     artifact = load_artifact(args.artifact)
     options = options_from(args, bin_rows(artifact.graph))
-    world = int(artifact.graph.meta.get("world", 1))
-    nproc = world if args.nproc is None else args.nproc
-    if nproc != world:
-        raise UserError(f"--nproc {nproc}: the artifact was compiled for {world} rank(s)")
+    world = check_nproc(artifact.graph, args.nproc)
     if world > 1:
         return run_ranks(args, options, world)
     from stepgraph.bench.session import run_bench

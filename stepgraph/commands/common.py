@@ -20,6 +20,15 @@ def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
+def check_nproc(graph, nproc: int | None) -> int:  # graph: stepgraph.ir.graph.Graph
+    """The processes to start for a compiled graph: its ranks; a one-line error when
+    ``--nproc`` asks for another count."""
+    world = int(graph.meta.get("world", 1))
+    if nproc is not None and nproc != world:
+        raise UserError(f"--nproc {nproc}: the artifact was compiled for {world} rank(s)")
+    return world
+
+
 def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
     """--tp, --dcp, --dep, --batches, --q, --target (override the spec's deployment)."""
     group = parser.add_argument_group("deployment (overrides the spec's `deployment:`)")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stepgraph.commands.common import parse_int_list
+from stepgraph.commands.common import check_nproc, parse_int_list
 from stepgraph.errors import UserError
 
 
@@ -56,6 +56,17 @@ def build_graph(spec_path: str):  # -> Graph
     return graph
 
 
+def check_tokens(prompts: list[list[int]], graph) -> None:  # graph: Graph
+    """A one-line error for a token outside the graph's vocabulary."""
+    from stepgraph.ir.graph import vocab_size
+
+    vocab = vocab_size(graph)
+    for prompt in prompts:
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"--tokens: token {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+
+
 def is_spec(path: str) -> bool:
     """Whether ``path`` names a spec (YAML) rather than a compiled artifact."""
     return Path(path).suffix.lower() in (".yaml", ".yml")
@@ -81,11 +92,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = compute_dtype(args.dtype)
     graph = build_graph(args.spec)
-    vocab = graph.values["embed_tokens"].type.shape[0]
-    for prompt in prompts:
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise UserError(f"--tokens: token {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+    check_tokens(prompts, graph)
     if args.weights == "random":
         weights = random_weights(graph, args.seed, dtype=dtype)
     else:
@@ -113,18 +120,10 @@ def save_logits(output: Path, logits) -> int:  # logits: np.ndarray
 def run_artifact(args: argparse.Namespace, prompts: list[list[int]], output: Path) -> int:
     """Decode the prompts through a compiled artifact, on its ranks."""
     from stepgraph.artifact import load_artifact
-    from stepgraph.ir.graph import vocab_size
 
     artifact = load_artifact(args.spec)
-    world = int(artifact.graph.meta.get("world", 1))
-    nproc = world if args.nproc is None else args.nproc
-    if nproc != world:
-        raise UserError(f"--nproc {nproc}: the artifact was compiled for {world} rank(s)")
-    vocab = vocab_size(artifact.graph)
-    for prompt in prompts:
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise UserError(f"--tokens: token {bad[0]} is outside the vocabulary 0..{vocab - 1}")
+    world = check_nproc(artifact.graph, args.nproc)
+    check_tokens(prompts, artifact.graph)
     from stepgraph.lower.tensors import compute_dtype, resolve_device
     from stepgraph.runtime.launch import launch
     from stepgraph.runtime.prompts import PromptRun, decode_on_rank, gather_logits
@@ -136,5 +135,5 @@ def run_artifact(args: argparse.Namespace, prompts: list[list[int]], output: Pat
     if world == 1:
         parts = [decode_on_rank(None, args.spec, prompts, options)]
     else:
-        parts = launch(decode_on_rank, nproc, args.spec, prompts, options, device=args.device)
+        parts = launch(decode_on_rank, world, args.spec, prompts, options, device=args.device)
     return save_logits(output, gather_logits(parts, len(prompts)))

@@ -21,7 +21,7 @@ from typing import Any
 
 from stepgraph.errors import UserError
 
-STARTUP_S = 600.0  # the longest a rank may run before it reports (a whole benchmark)
+RUN_TIMEOUT_S = 600.0  # the longest a rank may run before it reports (a whole benchmark)
 GRACE_S = 10.0  # how long the other ranks get to finish after one failed
 
 
@@ -79,7 +79,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str, fn: Callable[...,
 
 
 def launch(fn: Callable[..., Any], nproc: int, *args: Any, device: str = "cuda",
-           timeout_s: float = STARTUP_S) -> list[Any]:
+           timeout_s: float = RUN_TIMEOUT_S) -> list[Any]:
     """Run ``fn(comm, *args)`` on ``nproc`` ranks (``fn`` must be importable by name: a
     module-level function); returns the ranks' results in rank order."""
     import torch.multiprocessing as mp

@@ -40,6 +40,8 @@ from stepgraph.runtime.providers.registry import Registry
 from stepgraph.runtime.step import CompiledStep
 
 GPU_NAMES = {"h200": "H200", "h100": "H100", "b200": "B200"}
+
+
 def _graph_of(artifact: Artifact | Graph | str | Path) -> tuple[Graph, dict[str, Any] | None]:
     if isinstance(artifact, Graph):
         return artifact, None
@@ -95,19 +97,20 @@ def check_world(graph: Graph, comm: Communicator | None) -> None:
         raise UserError("the artifact has no memory plan (compile it through the alias pass)")
 
 
-def rank_graph(graph: Graph, comm: Communicator | None) -> Graph:
-    """The graph as this rank runs it: each expert-split node computes the experts of its
-    member of the group (``expert_offset``); the graph itself when nothing differs."""
-    if comm is None or comm.world == 1:
-        return graph
-    nodes = []
+def rank_graph(graph: Graph, rank: int) -> Graph:
+    """The graph as rank ``rank`` runs it: each expert-split node computes the experts of the
+    rank's member of its group (``expert_offset``; member = rank % ways, as the weight
+    slicing takes); the graph itself when nothing differs."""
+    nodes, changed = [], False
     for node in graph:
         split = node.attrs.get("expert_split")
         if isinstance(split, dict) and int(split.get("ways", 1)) > 1:
-            ways = int(split["ways"])
-            offset = comm.member(ways) * int(split["local_experts"])
+            offset = rank % int(split["ways"]) * int(split["local_experts"])
             node = node.evolve(attrs={**node.attrs, "expert_offset": offset})
+            changed = True
         nodes.append(node)
+    if not changed:
+        return graph
     ranked = graph.copy()
     ranked.set_nodes(nodes)
     return ranked
@@ -194,8 +197,8 @@ def load(
     graph, document = _graph_of(artifact)
     check_world(graph, comm)
     vocab = vocab_size(graph)
-    graph = rank_graph(graph, comm)
     rank = comm.rank if comm is not None else 0
+    graph = rank_graph(graph, rank)
     device = resolve_device(device)
     target = str(graph.meta.get("deployment", {}).get("target", "default"))
     check_target(target, device, allow_target_mismatch)

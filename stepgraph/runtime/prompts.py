@@ -15,6 +15,7 @@ from stepgraph.lower.decode import run_prompts
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.decode import CompiledDecodeRunner
 from stepgraph.runtime.loader import load
+from stepgraph.runtime.rank_check import rank_device
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,7 @@ def decode_on_rank(comm: Communicator | None, artifact_path: str, prompts: list[
     """This rank's requests and their logits [requests, tokens, vocab] (float32, NaN where a
     request has no token)."""
     artifact = load_artifact(artifact_path)
-    device = torch.device(run.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = rank_device(run.device)
     longest = max(len(p) for p in prompts)
     dep = int(artifact.document["deployment"].get("dep", 1))
     member = comm.member(dep) if comm is not None and dep > 1 else 0

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from stepgraph.artifact import load_artifact
-from stepgraph.bench.protocol import Routing, fp32_reference
+from stepgraph.bench.protocol import Routing, fp32_reference, relative_error
 from stepgraph.bench.table import CHECK_LIMIT, NOISE_FACTOR, within_bf16_criterion
 from stepgraph.bench.weights import device_random_weights
 from stepgraph.errors import UserError
@@ -103,11 +103,10 @@ def reference_graph(document: dict[str, Any], bins: list[int]) -> Graph:
     return build_step(model, deployment)
 
 
-def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
-    """``||out - ref|| / ||ref||`` over the entries where the reference is defined."""
+def defined_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """The protocol's relative error over the entries where the reference is defined."""
     defined = ~np.isnan(ref)
-    diff = np.nan_to_num(out[defined] - ref[defined], nan=np.inf)
-    return float(np.linalg.norm(diff) / max(np.linalg.norm(ref[defined]), 1e-30))
+    return relative_error(torch.from_numpy(out[defined]), torch.from_numpy(ref[defined]))
 
 
 def _reference_runner(graph: Graph, weights: dict[str, torch.Tensor], requests: int,
@@ -195,10 +194,10 @@ def compare_with_reference(compiled: CompiledStep, comm: Communicator,
             result.flips[size] = routing.flips
             reached = np.stack(got, 1)
             expected = np.stack(want[0], 1)
-            result.errors[size] = relative_error(reached, expected)
+            result.errors[size] = defined_error(reached, expected)
             result.nan[size] = bool(np.isnan(reached).any())
             if len(want) > 1:
-                result.bf16_reference[size] = relative_error(np.stack(want[1], 1), expected)
+                result.bf16_reference[size] = defined_error(np.stack(want[1], 1), expected)
     del full
     return result
 

@@ -41,7 +41,8 @@ FIRST_MIX = {(1, "attn_res.query"), (1, "attn_res.norm")}  # the slice's layer 0
 def mix_sources(graph: Graph, shift: int = 0) -> dict[tuple[int, str], int]:
     """(layer + shift, mix name) -> the number of AttnRes sources it weighs."""
     return {(node.layer + shift, node.name.split(".", 1)[1]): node.attrs["sources"]
-            for node in graph if node.op == "attn_res_mix" and node.layer is not None}
+            for node in graph if node.op in ("attn_res_mix", "attn_res_norm")
+            and node.layer is not None}
 
 
 @pytest.fixture(scope="module")

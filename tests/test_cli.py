@@ -172,8 +172,8 @@ def test_dump_after_all(tmp_path: Path) -> None:
                      "--dump-after", "all", str(tmp_path / "dump"), "--verbose")
     assert result.returncode == 0, result.stderr
     names = sorted(p.name for p in (tmp_path / "dump").iterdir())
-    assert names == ["00-frontend.txt", "01-shard.txt", "02-pack.txt", "03-bin.txt",
-                     "04-schedule.txt", "05-pdl.txt", "06-alias.txt"]
+    assert names == ["00-frontend.txt", "01-shard.txt", "02-pack.txt", "03-fuse.txt",
+                     "04-bin.txt", "05-schedule.txt", "06-pdl.txt", "07-alias.txt"]
     assert "shard" in result.stderr and " ms " in result.stderr
     sharded = (tmp_path / "dump" / "01-shard.txt").read_text()
     assert "all_reduce" in sharded

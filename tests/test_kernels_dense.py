@@ -135,6 +135,22 @@ def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
         ref = ref_op("attn_res_mix", [s.float() for s in srcs] + [query.float(), norm.float()],
                      attrs, [torch.float32])[0]
         errors[f"attn_res_mix[{count}]"] = rel_err(out, ref)
+    weight_n = rnd(width, scale=0.5) + 1.0
+    for count, deltas in ((1, 0), (2, 1), (4, 2), (9, 2)):
+        srcs = [rnd(rows, width + 4, scale=0.5 + i)[:, 1:1 + width] for i in range(count)]
+        extra = [rnd(rows, width, scale=2.0 + i) for i in range(deltas)]
+        attrs = {"sources": count, "deltas": deltas, "eps": 1e-6, "norm_eps": 1e-5}
+        outs = [_poisoned(rows, width, torch.bfloat16, device, pad=1)]
+        if deltas:
+            outs.append(_poisoned(rows, width, torch.bfloat16, device, pad=3))
+        node = node_of("attn_res_norm", count + deltas + 3, len(outs), **attrs)
+        td.attn_res_norm(context(node, [*srcs, *extra, query, norm, weight_n, *outs],
+                                 pdl=pdl))()
+        ref = ref_op("attn_res_norm", [t.float() for t in (*srcs, *extra)]
+                     + [query.float(), norm.float(), weight_n.float()], attrs,
+                     [torch.float32] * len(outs))
+        for which, (got, want) in enumerate(zip(outs, ref, strict=True)):
+            errors[f"attn_res_norm[{count}+{deltas}].{which}"] = rel_err(got, want)
     bad = {name: e for name, e in errors.items() if not e < TOL_BF16}
     assert not bad, f"small ops rows={rows} width={width} pdl={pdl}: errors {bad} (NaN: unwritten)"
     return errors
@@ -193,7 +209,8 @@ def interpreter_runtime() -> None:
     for op, provider, factory in (
             ("projection", "cublas", td._projection), ("o_proj", "cublas", td._projection),
             ("rmsnorm", "triton", td.rmsnorm), ("add", "triton", td.add),
-            ("attn_res_mix", "triton", td.attn_res_mix), ("router", "triton", td.router),
+            ("attn_res_mix", "triton", td.attn_res_mix),
+            ("attn_res_norm", "triton", td.attn_res_norm), ("router", "triton", td.router),
             ("routed_experts", "triton_fused_moe", tm.routed_experts)):
         REGISTRY.add(ProviderEntry(op, provider, factory, ("cuda", "cpu")))
     spec = load_spec(MODELS / "tiny_k3.yaml")
@@ -203,7 +220,7 @@ def interpreter_runtime() -> None:
     report = step.report()
     print(report)
     for needle in ("routed_experts:triton_fused_moe", "router:triton", "rmsnorm:triton",
-                   "attn_res_mix:triton"):
+                   "attn_res_norm:triton"):
         assert needle in report, f"the runtime did not pick {needle}"
     prompts = [[1, 2, 3], [10, 20], [200, 100, 50], [7]]  # 4, 4, 3 (one padded) rows
     got = run_prompts(CompiledDecodeRunner(step), prompts)
@@ -257,8 +274,9 @@ def sm90_projection() -> None:
 
 
 def sm90_small_ops() -> None:
-    """rmsnorm / add / attn_res_mix at K3 widths compile for sm_90 without spills."""
-    from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, RmsNorm
+    """rmsnorm / add / attn_res_mix / attn_res_norm at K3 widths compile for sm_90 without
+    spills."""
+    from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, AttnResNorm, RmsNorm
 
     for width in (7168, 3584, 448):
         x = _meta(64, width)
@@ -267,7 +285,10 @@ def sm90_small_ops() -> None:
                     dtype=torch.float32), w, _meta(64, width), 1e-5),
                     Add([x, x], _meta(64, width)),
                     AttnResMix([x] * 12, w, w, _meta(64, width), 1e-6),
-                    AttnResMix([x] * 24, w, w, _meta(64, width), 1e-6)]
+                    AttnResMix([x] * 24, w, w, _meta(64, width), 1e-6),
+                    AttnResNorm([x] * 9, [x, x], w, w, w, _meta(64, width), _meta(64, width),
+                                1e-6, 1e-5),
+                    AttnResNorm([x] * 3, [], w, w, w, _meta(64, width), None, 1e-6, 1e-5)]
         for launch in launches:
             launch.pdl = True
             for c in sm90_compiles(launch):
@@ -332,7 +353,7 @@ def test_providers_are_registered() -> None:
 
     assert REGISTRY.get("projection", "splitk").factory is td._projection
     assert REGISTRY.get("o_proj", "splitk").factory is td._projection
-    for op in ("rmsnorm", "add", "attn_res_mix", "router"):
+    for op in ("rmsnorm", "add", "attn_res_mix", "attn_res_norm", "router"):
         entry = REGISTRY.get(op, "triton")
         assert entry is not None and entry.devices == ("cuda",), op
         assert entry.factory is getattr(td, op)

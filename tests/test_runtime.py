@@ -401,7 +401,7 @@ def test_step_returns_a_copy_unless_told_otherwise() -> None:
 
 
 def test_a_declining_provider_falls_back_and_says_why() -> None:
-    step = cpu_step(compiled("tiny_k3"))
+    step = cpu_step(compiled("tiny_kimi_linear"))  # a plain residual stream: adds
     node = next(n for n in step.graph if n.op == "add")
     ctx = BinContext(node, 2, {}, True, step.device, step.dtype, step.graph,
                      step.bindings.for_bin(2))

@@ -286,12 +286,31 @@ def compiled_step(executor: ReferenceExecutor) -> Callable[[Mapping[str, torch.T
                                                             torch.Tensor]:
     """``executor``'s step under ``torch.compile(mode="reduce-overhead")`` with torch's
     defaults otherwise (what a user would write; a second row count recompiles once with
-    dynamic shapes, later ones reuse it): feed -> logits."""
+    dynamic shapes, later ones reuse it): feed -> logits. The weights and caches are marked
+    as static addresses (as an ``nn.Module``'s parameters and buffers would be), so that
+    the step's in-place cache writes do not make CUDA graphs skip it."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for tensor in executor.fixed.values():
+        torch._dynamo.mark_static_address(tensor)
 
     def eager(feed: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return executor.step(feed)["logits"]
 
     return torch.compile(eager, mode="reduce-overhead")
+
+
+def compile_stats() -> str:
+    """What torch.compile did so far in this process: graphs compiled, graph breaks (the
+    most frequent reasons) and CUDA graph skips, from dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    breaks = counters["graph_break"]
+    top = "; ".join(f"{n}x {' '.join(reason.split())[:80]}"
+                    for reason, n in breaks.most_common(3))
+    skips = sum(counters["inductor"].get(k, 0) for k in counters["inductor"]
+                if "cudagraph_skip" in k)
+    return (f"{counters['stats'].get('unique_graphs', 0)} graphs, "
+            f"{sum(breaks.values())} graph breaks{f' ({top})' if top else ''}, "
+            f"{skips} CUDA graph skips")

@@ -44,6 +44,7 @@ from stepgraph.bench.protocol import (
     bench_device,
     build_feeds,
     clone_caches,
+    compile_stats,
     compiled_step,
     copy_bandwidth,
     device_feed,
@@ -278,7 +279,8 @@ class Session:
                 warm = result.timings.get("torch_compile")
                 if warm is not None and warm.warmup_s is not None:
                     self.note(f"B={rows}: torch.compile's {opts.warmup} warm-up calls (its "
-                              f"compilation) took {warm.warmup_s:.1f} s")
+                              f"compilation) took {warm.warmup_s:.1f} s; so far "
+                              f"{compile_stats()}")
                 if "stepgraph" in opts.modes:
                     if compiled is None:
                         result.timings["stepgraph"] = failed

@@ -41,18 +41,21 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
-    """--no-pdl, --no-pack (ablations)."""
+    """--no-pdl, --no-pack, --no-fuse (ablations)."""
     parser.add_argument("--no-pdl", action="store_true",
                         help="turn the PDL + prefetch pass off (ablation)")
     parser.add_argument("--no-pack", action="store_true",
                         help="keep projections unpacked (ablation)")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="keep the AttnRes add, mix and norm separate (ablation)")
 
 
 def options_from(args: argparse.Namespace):  # -> CompileOptions (lazy import)
     """The compile options the flags ask for."""
     from stepgraph.passes.pipeline import CompileOptions
 
-    return CompileOptions(pdl=not args.no_pdl, pack=not args.no_pack)
+    return CompileOptions(pdl=not args.no_pdl, pack=not args.no_pack,
+                          fuse=not args.no_fuse)
 
 
 def spec_and_deployment(args: argparse.Namespace) -> tuple[Spec, Deployment]:

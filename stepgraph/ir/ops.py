@@ -95,6 +95,26 @@ def _mix(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
             raise TypeRuleError(f"mix weight {_shape(weight)}")
 
 
+def _mix_norm(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
+    count, deltas = node.attrs["sources"], node.attrs["deltas"]
+    if len(ins) != count + deltas + 3:
+        raise TypeRuleError(f"expected {count} sources + {deltas} deltas + query + mix norm + "
+                            f"norm weight, got {len(ins)}")
+    if len(outs) != (2 if deltas else 1):
+        raise TypeRuleError(f"{len(outs)} outputs: normed rows, and the prefix sum where "
+                            "there are deltas")
+    normed = outs[0]
+    for row in (*ins[:count + deltas], *outs):
+        if row.shape != normed.shape:
+            raise TypeRuleError(f"rows {_shape(row)} vs normed rows {_shape(normed)}")
+    if deltas and outs[1].dtype != ins[count - 1].dtype:
+        raise TypeRuleError(f"prefix sum dtype {outs[1].dtype} differs from the prefix's "
+                            f"{ins[count - 1].dtype}")
+    for weight in ins[count + deltas:]:
+        if weight.shape != (normed.shape[-1],):
+            raise TypeRuleError(f"mix or norm weight {_shape(weight)}")
+
+
 def _kda(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     heads, dim = node.attrs["heads"], node.attrs["head_dim"]
     q, k, v, g, f_a, b = ins[:6]
@@ -253,6 +273,9 @@ OPS: dict[str, OpDef] = {
             2),
         _op("attn_res_mix", "compute",
             "AttnRes: softmax over sources of a pseudo-query . RMSNorm(source)", _mix, 3),
+        _op("attn_res_norm", "compute",
+            "fused: prefix sum += deltas, the AttnRes mix, then RMSNorm (the fuse pass)",
+            _mix_norm, 4, None),
         _op("projection", "compute", "x @ W.T over a (possibly packed) weight", _matmul, 2),
         _op("o_proj", "compute", "the attention output projection (row-parallel at TP)",
             _matmul, 2),

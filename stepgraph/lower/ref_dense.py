@@ -30,17 +30,44 @@ def add(call: OpCall) -> list[torch.Tensor]:
     return [total.to(call.out_dtypes[0])]
 
 
+def _mix(rows: list[torch.Tensor], query: torch.Tensor, norm: torch.Tensor,
+         eps: float) -> torch.Tensor:
+    """The AttnRes mix of the source rows in float32."""
+    sources = torch.stack([s.float() for s in rows], dim=1)  # [R, n, H]
+    keys = sources * torch.rsqrt(sources.pow(2).mean(-1, keepdim=True) + eps)
+    logits = (keys * (norm.float() * query.float())).sum(-1)  # [R, n]
+    probs = logits.softmax(-1)
+    return torch.matmul(probs.unsqueeze(1), sources).squeeze(1)
+
+
 def attn_res_mix(call: OpCall) -> list[torch.Tensor]:
     """AttnRes: logit_i = sum_d (norm_d * query_d) * RMSNorm(v_i)_d; softmax over the sources;
     the output is the softmax-weighted sum of the raw source values (all in float32)."""
     count = call.attrs["sources"]
-    sources = torch.stack([s.float() for s in call.ins[:count]], dim=1)  # [R, n, H]
     query, norm = call.ins[count], call.ins[count + 1]
-    keys = sources * torch.rsqrt(sources.pow(2).mean(-1, keepdim=True) + call.attrs["eps"])
-    logits = (keys * (norm.float() * query.float())).sum(-1)  # [R, n]
-    probs = logits.softmax(-1)
-    mixed = torch.matmul(probs.unsqueeze(1), sources).squeeze(1)
+    mixed = _mix(list(call.ins[:count]), query, norm, call.attrs["eps"])
     return [mixed.to(call.out_dtypes[0])]
+
+
+def attn_res_norm(call: OpCall) -> list[torch.Tensor]:
+    """The fuse pass's node: the prefix sum (last source + the deltas, summed in float32 and
+    stored in the prefix's dtype), the AttnRes mix of the sources with it (rounded to the
+    normed rows' dtype, where the unfused mix stored it), then RMSNorm; returns [normed,
+    prefix sum] (or [normed] without deltas)."""
+    count, deltas = call.attrs["sources"], call.attrs["deltas"]
+    rows = list(call.ins[:count])
+    extra = call.ins[count:count + deltas]
+    query, norm, weight = call.ins[count + deltas:]
+    results: list[torch.Tensor] = []
+    if deltas:
+        total = rows[-1].float()
+        for other in extra:
+            total = total + other.float()
+        rows[-1] = total.to(call.out_dtypes[1])
+        results.append(rows[-1])
+    mixed = _mix(rows, query, norm, call.attrs["eps"]).to(call.out_dtypes[0])
+    normed = rms_norm(mixed, weight, call.attrs["norm_eps"]).to(call.out_dtypes[0])
+    return [normed, *results]
 
 
 def projection(call: OpCall) -> list[torch.Tensor]:
@@ -131,6 +158,7 @@ OPS: dict[str, OpFn] = {
     "rmsnorm": rmsnorm,
     "add": add,
     "attn_res_mix": attn_res_mix,
+    "attn_res_norm": attn_res_norm,
     "projection": projection,
     "o_proj": projection,
     "lm_head": projection,

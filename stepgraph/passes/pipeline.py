@@ -6,16 +6,17 @@ from dataclasses import asdict, dataclass
 
 from stepgraph.passes.manager import Pass
 
-PASS_ORDER = ("shard", "pack", "bin", "schedule", "pdl", "alias")
+PASS_ORDER = ("shard", "pack", "fuse", "bin", "schedule", "pdl", "alias")
 
 
 @dataclass(frozen=True)
 class CompileOptions:
     """Options of the whole pipeline: ``pdl`` turns the PDL + prefetch pass off (ablation);
-    ``pack`` turns projection packing off."""
+    ``pack`` turns projection packing off; ``fuse`` turns the AttnRes residual fusion off."""
 
     pdl: bool = True
     pack: bool = True
+    fuse: bool = True
 
     def to_json(self) -> dict[str, bool]:
         """The options as JSON-able data (part of the artifact hash)."""
@@ -23,9 +24,10 @@ class CompileOptions:
 
 
 def default_pipeline(options: CompileOptions) -> list[Pass]:
-    """The passes in order: shard, pack, bin, schedule, pdl, alias."""
+    """The passes in order: shard, pack, fuse, bin, schedule, pdl, alias."""
     from stepgraph.passes.alias import Alias
     from stepgraph.passes.bin import Bin
+    from stepgraph.passes.fuse import Fuse
     from stepgraph.passes.pack import Pack
     from stepgraph.passes.pdl import Pdl
     from stepgraph.passes.schedule import Schedule
@@ -34,6 +36,7 @@ def default_pipeline(options: CompileOptions) -> list[Pass]:
     return [
         Shard(),
         Pack(enabled=options.pack),
+        Fuse(enabled=options.fuse),
         Bin(),
         Schedule(),
         Pdl(enabled=options.pdl),

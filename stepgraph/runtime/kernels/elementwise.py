@@ -1,6 +1,7 @@
 """Triton kernels of the small fused ops: RMSNorm (one program a row), the residual add (a
 program per row and column block), the AttnRes mix (two launches spread over rows x sources,
-then rows x column blocks); float32 math, written in the output's dtype through its row
+then rows x column blocks), and the fuse pass's prefix-sum + mix + RMSNorm (one launch, one
+program a row); float32 math, written in the output's dtype through its row
 stride. Kernels load their weights before ``gdc_wait()`` where they can and let their
 dependents launch right after it (PDL)."""
 
@@ -19,6 +20,7 @@ MAX_ROW = 32768  # the widest row one program holds (RMSNorm, AttnRes)
 ADD_BLOCK = 1024
 MIX_BLOCK = 2048  # columns a mix program covers (logits: per loop step)
 MAX_SOURCES = 64
+FUSED_CHUNK = 2048  # columns a sweep of the fused mix + norm covers at a time
 
 
 def _warps(block: int) -> int:
@@ -107,6 +109,76 @@ def _mix_sum_kernel(srcs, strides, logits_ptr, out_ptr, H, stride_or,
         v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0)
         acc += tl.sum(tl.where(idx == i, p, 0.0), 0) * v.to(tl.float32)
     tl.store(out_ptr + row * stride_or + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
+                     prefix_ptr, H, stride_or, stride_pr, eps, norm_eps,
+                     N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
+                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row of the fused AttnRes step, in three sweeps over column chunks of the row:
+    (1) prefix = srcs[-1] + sum(deltas), stored, and every source's query dot and square
+    sum; (2) the softmax-weighted sum, stored in the output's dtype (where the unfused mix
+    stored it) with its square sum; (3) RMSNorm of the stored mix with ``w``. A CTA barrier
+    between sweeps makes the stored prefix and mix visible to the threads that reread them."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, CHUNK)
+    idx = tl.arange(0, S_PAD)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    dots = tl.zeros([S_PAD], dtype=tl.float32)
+    squares = tl.zeros([S_PAD], dtype=tl.float32)
+    for start in range(0, H, CHUNK):
+        offs = start + cols
+        mask = offs < H
+        nq = (tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+              * tl.load(n_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+        last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + offs, mask=mask,
+                       other=0.0).to(tl.float32)
+        if N_DELTA > 0:
+            for j in tl.static_range(N_DELTA):
+                d = tl.load(deltas[j] + row * delta_strides[j] + offs, mask=mask, other=0.0)
+                last += d.to(tl.float32)
+            stored = last.to(prefix_ptr.dtype.element_ty)
+            tl.store(prefix_ptr + row * stride_pr + offs, stored, mask=mask)
+            last = stored.to(tl.float32)
+        dots = tl.where(idx == N_SRC - 1, dots + tl.sum(last * nq, 0), dots)
+        squares = tl.where(idx == N_SRC - 1, squares + tl.sum(last * last, 0), squares)
+        for i in tl.static_range(N_SRC - 1):
+            v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            dots = tl.where(idx == i, dots + tl.sum(v * nq, 0), dots)
+            squares = tl.where(idx == i, squares + tl.sum(v * v, 0), squares)
+    logits = tl.where(idx < N_SRC, dots * tl.rsqrt(squares / H + eps), float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    tl.debug_barrier()
+    total = tl.zeros([CHUNK], dtype=tl.float32)
+    for start in range(0, H, CHUNK):
+        offs = start + cols
+        mask = offs < H
+        if N_DELTA > 0:
+            last = tl.load(prefix_ptr + row * stride_pr + offs, mask=mask, other=0.0)
+        else:
+            last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + offs, mask=mask,
+                           other=0.0)
+        acc = tl.sum(tl.where(idx == N_SRC - 1, p, 0.0), 0) * last.to(tl.float32)
+        for i in tl.static_range(N_SRC - 1):
+            v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.where(idx == i, p, 0.0), 0) * v
+        mixed = acc.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * stride_or + offs, mixed, mask=mask)
+        m = mixed.to(tl.float32)
+        total += m * m
+    scale = tl.rsqrt(tl.sum(total, 0) / H + norm_eps)
+    tl.debug_barrier()
+    for start in range(0, H, CHUNK):
+        offs = start + cols
+        mask = offs < H
+        m = tl.load(out_ptr + row * stride_or + offs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * stride_or + offs, (m * scale * w).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def _rows_of(name: str, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -204,3 +276,48 @@ class AttnResMix:
             self.sources, self.strides, self.logits, self.out, width, self.out.stride(0),
             N_SRC=count, S_PAD=self.s_pad, BLOCK=MIX_BLOCK, USE_PDL=self.pdl, num_warps=4,
             launch_pdl=self.pdl)
+
+
+class AttnResNorm:
+    """A prepared fused AttnRes step (the fuse pass's ``attn_res_norm``): ``prefix = last +
+    sum(deltas)`` written to ``prefix`` (when there are deltas), the mix of ``sources[:-1]``
+    and that prefix with ``query`` and ``mix_norm``, then RMSNorm with ``weight`` into
+    ``out``. One launch, one program a row sweeping it in column chunks."""
+
+    def __init__(self, sources: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
+                 query: torch.Tensor, mix_norm: torch.Tensor, weight: torch.Tensor,
+                 out: torch.Tensor, prefix: torch.Tensor | None, eps: float, norm_eps: float,
+                 pdl: bool = False) -> None:
+        if not 1 <= len(sources) <= MAX_SOURCES or len(deltas) > MAX_SOURCES:
+            raise NotImplementedError(f"attn_res_norm: {len(sources)} sources, {len(deltas)} "
+                                      f"deltas (1..{MAX_SOURCES} each)")
+        if bool(deltas) != (prefix is not None):
+            raise UserError("attn_res_norm: a prefix output goes with deltas, and only then")
+        rows = [*sources, *deltas, *([prefix] if prefix is not None else [])]
+        _rows_of("attn_res_norm", rows, out)
+        width = out.shape[1]
+        for name, t in (("query", query), ("mix norm", mix_norm), ("norm weight", weight)):
+            if tuple(t.shape) != (width,):
+                raise UserError(f"attn_res_norm: {name} {list(t.shape)} for rows of {width}")
+        self.sources, self.deltas = tuple(sources), tuple(deltas) or (sources[-1],)
+        self.n_delta = len(deltas)
+        self.query, self.mix_norm, self.weight, self.out = query, mix_norm, weight, out
+        self.prefix = prefix if prefix is not None else out
+        self.strides = tuple(s.stride(0) for s in self.sources)
+        self.delta_strides = tuple(d.stride(0) for d in self.deltas)
+        self.eps, self.norm_eps = float(eps), float(norm_eps)
+        self.s_pad = max(2, next_pow2(len(sources)))
+        self.chunk = min(FUSED_CHUNK, next_pow2(width))
+        self.pdl = pdl_allowed(pdl, out.device)
+
+    def __call__(self) -> None:
+        """Enqueue the launch."""
+        rows, width = self.out.shape
+        if rows == 0:
+            return
+        _mix_norm_kernel[(rows,)](
+            self.sources, self.strides, self.deltas, self.delta_strides, self.query,
+            self.mix_norm, self.weight, self.out, self.prefix, width, self.out.stride(0),
+            self.prefix.stride(0), self.eps, self.norm_eps, N_SRC=len(self.sources),
+            N_DELTA=self.n_delta, S_PAD=self.s_pad, CHUNK=self.chunk, USE_PDL=self.pdl,
+            num_warps=_warps(self.chunk), launch_pdl=self.pdl)

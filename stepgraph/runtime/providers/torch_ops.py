@@ -117,6 +117,7 @@ def _reference(fn: OpFn) -> Callable[[PrepareContext], Launch]:
 for _op, _fn in (
     ("rmsnorm", ref_dense.rmsnorm),
     ("attn_res_mix", ref_dense.attn_res_mix),
+    ("attn_res_norm", ref_dense.attn_res_norm),
     ("projection", ref_dense.projection),
     ("o_proj", ref_dense.projection),
     ("lm_head", ref_dense.projection),

@@ -1,5 +1,6 @@
 """Triton providers of the dense ops: ``splitk`` for projection / o_proj (the split-K skinny
-GEMM with the bin's tactic), ``triton`` for rmsnorm, add, attn_res_mix and router.
+GEMM with the bin's tactic), ``triton`` for rmsnorm, add, attn_res_mix, attn_res_norm and
+router.
 
 Each factory binds the node's tensors once and returns the prepared launch (a callable that
 enqueues the kernels, capturable); all kernels take PDL when ``ctx.pdl`` allows it. A
@@ -10,7 +11,7 @@ or wider than 32768. The kernels live in :mod:`stepgraph.runtime.kernels`.
 
 from __future__ import annotations
 
-from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, RmsNorm
+from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, AttnResNorm, RmsNorm
 from stepgraph.runtime.kernels.moe import Router
 from stepgraph.runtime.kernels.splitk_gemm import SplitKGemm, SplitKTactic
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
@@ -55,6 +56,20 @@ def attn_res_mix(ctx: PrepareContext) -> Launch:
     (out,) = ctx.outputs()
     return AttnResMix(ins[:count], ins[count], ins[count + 1], out, ctx.node.attrs["eps"],
                       pdl=ctx.pdl)
+
+
+@register("attn_res_norm", "triton",
+          note="prefix sum + AttnRes mix + RMSNorm in one launch, one program a row, PDL")
+def attn_res_norm(ctx: PrepareContext) -> Launch:
+    """The fuse pass's node: prefix sum, AttnRes mix and RMSNorm in one kernel."""
+    attrs = ctx.node.attrs
+    count, deltas = int(attrs["sources"]), int(attrs["deltas"])
+    ins = ctx.inputs()
+    outs = ctx.outputs()
+    query, mix_norm, weight = ins[count + deltas:]
+    return AttnResNorm(ins[:count], ins[count:count + deltas], query, mix_norm, weight,
+                       outs[0], outs[1] if deltas else None, attrs["eps"],
+                       attrs["norm_eps"], pdl=ctx.pdl)
 
 
 @register("router", "triton", note="scores + biased top-k + renormalise in one kernel, PDL")

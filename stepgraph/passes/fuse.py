@@ -1,0 +1,154 @@
+"""The ``fuse`` pass: the AttnRes residual path of each sublayer becomes one node.
+
+Without it, every sublayer boundary of an AttnRes model is four launches over rows of the
+hidden size: the prefix-sum ``add`` (often fed by the MoE's own ``add`` of its routed and
+shared paths), the ``attn_res_mix`` of the blocks and the new prefix, and the ``rmsnorm``
+in front of the next projection. At one row each of them is a few microseconds of launch
+and latency for a few kilobytes. This pass rewrites every
+
+    p = add(prefix, d1, ...)            (optional; inner adds read only here flatten in)
+    m = attn_res_mix(b1, ..., bk, p, query, mix_norm)
+    x = rmsnorm(m, weight)              (the only reader of m)
+
+into ``x[, p] = attn_res_norm(b1, ..., bk, prefix, d1, ..., query, mix_norm, weight)``
+(attrs ``sources`` = k + 1, ``deltas`` = the number of d's, ``eps``, ``norm_eps``), placed
+where the mix was. The values keep their names, so their readers do not change; the
+mix's output and the inner adds' outputs disappear. The fused op rounds where the unfused
+nodes store (the prefix sum and the mix output in their dtypes), so its reference equals
+the three nodes'.
+
+A pattern is left alone when fusing would change what it computes or reorder a read: the
+mix output read by anything but one replicated rmsnorm, or viewed; an add whose output is
+read between the add and the mix; an inner add read twice. ``enabled`` off (the ablation)
+returns the graph unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.nodes import Node
+from stepgraph.ir.types import Storage
+from stepgraph.passes.manager import CompileContext, PassResult
+
+
+@dataclass(frozen=True)
+class _Fusion:
+    """One rewrite: the fused node and the nodes and values it replaces."""
+
+    node: Node
+    dropped_nodes: tuple[str, ...]
+    dropped_values: tuple[str, ...]
+
+
+class _Finder:
+    """The graph's readers, writers and views, and the fusions they allow."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.g = graph
+        self.users = graph.users()
+        self.producers = graph.producers()
+        self.viewed = {v.view.base for v in graph.values.values() if v.view is not None}
+        self.taken: set[str] = set()
+
+    def _private_temp(self, value: str) -> bool:
+        """A temp nothing views (so its readers are exactly ``users``)."""
+        v = self.g.values[value]
+        return v.storage is Storage.TEMP and v.view is None and value not in self.viewed
+
+    def _add_of(self, value: str) -> Node | None:
+        """The add node writing ``value``, if it is one this pass may absorb."""
+        writer = self.producers.get(value)
+        if writer is None or writer in self.taken:
+            return None
+        node = self.g.node(writer)
+        if node.op != "add" or node.outputs != (value,) or not self._private_temp(value):
+            return None
+        return node
+
+    def _terms(self, add: Node, reader: str) -> tuple[list[str], list[str]]:
+        """The add's operands with inner adds (read only by ``reader``) flattened in; and the
+        inner adds' names."""
+        terms: list[str] = []
+        inner: list[str] = []
+        for operand in add.inputs:
+            sub = self._add_of(operand)
+            if sub is not None and self.users.get(operand) == [reader]:
+                more, deeper = self._terms(sub, sub.name)
+                terms += more
+                inner += [sub.name, *deeper]
+            else:
+                terms.append(operand)
+        return terms, inner
+
+    def fusion(self, mix: Node) -> _Fusion | None:
+        """The fusion of ``mix`` with its norm (and the add of its last source), or None."""
+        g = self.g
+        (mixed,) = mix.outputs
+        readers = self.users.get(mixed, [])
+        if len(readers) != 1 or not self._private_temp(mixed):
+            return None
+        norm = g.node(readers[0])
+        if (norm.op != "rmsnorm" or norm.inputs[0] != mixed
+                or int(norm.attrs.get("ways", 1)) != 1 or norm.placement != mix.placement):
+            return None
+        count = int(mix.attrs["sources"])
+        sources, weights = list(mix.inputs[:count]), list(mix.inputs[count:])
+        last = sources[-1]
+        add = self._add_of(last)
+        deltas: list[str] = []
+        dropped = [mix.name, norm.name]
+        outputs = [norm.outputs[0]]
+        here = g.position(mix.name)
+        if add is not None and all(g.position(user) >= here for user in self.users[last]):
+            terms, inner = self._terms(add, add.name)
+            sources[-1], deltas = terms[0], terms[1:]
+            dropped += [add.name, *inner]
+            outputs.append(last)
+        fused = Node(
+            name=mix.name,
+            op="attn_res_norm",
+            inputs=(*sources, *deltas, *weights, norm.inputs[1]),
+            outputs=tuple(outputs),
+            attrs={"sources": count, "deltas": len(deltas), "eps": mix.attrs["eps"],
+                   "norm_eps": norm.attrs["eps"]},
+            placement=mix.placement,
+            layer=mix.layer,
+            unit=mix.unit,
+        )
+        self.taken.update(dropped)
+        inner_values = [g.node(n).outputs[0] for n in dropped[3:]]
+        return _Fusion(fused, tuple(dropped), (mixed, *inner_values))
+
+
+@dataclass(frozen=True)
+class Fuse:
+    """Fuse each AttnRes prefix-sum add, mix and norm into one ``attn_res_norm`` node (see
+    the module docstring); ``enabled`` off leaves the graph as it is."""
+
+    name: ClassVar[str] = "fuse"
+    enabled: bool = True
+
+    def run(self, graph: Graph, ctx: CompileContext) -> PassResult:
+        """Return the graph with every fusable residual path fused."""
+        g = graph.copy()
+        if not self.enabled:
+            return PassResult(g, False, "disabled")
+        finder = _Finder(graph)
+        fusions = [f for node in graph if node.op == "attn_res_mix"
+                   if (f := finder.fusion(node)) is not None]
+        if not fusions:
+            return PassResult(g, False, "no AttnRes mix to fuse")
+        replace = {f.node.name: f.node for f in fusions}
+        dropped = {name for f in fusions for name in f.dropped_nodes} - set(replace)
+        g.set_nodes(replace.get(n.name, n) for n in graph if n.name not in dropped)
+        for f in fusions:
+            for value in f.dropped_values:
+                g.remove_value(value)
+        adds = sum(len(f.dropped_nodes) - 2 for f in fusions)
+        mixes = sum(1 for n in graph if n.op == "attn_res_mix")
+        summary = (f"fused {len(fusions)} of {mixes} AttnRes mixes with their norms and "
+                   f"{adds} adds: {len(graph)} -> {len(g)} nodes")
+        return PassResult(g, True, summary)

@@ -20,7 +20,9 @@ MAX_ROW = 32768  # the widest row one program holds (RMSNorm, AttnRes)
 ADD_BLOCK = 1024
 MIX_BLOCK = 2048  # columns a mix program covers (logits: per loop step)
 MAX_SOURCES = 64
-FUSED_CHUNK = 2048  # columns a sweep of the fused mix + norm covers at a time
+FUSED_CHUNK = 2048  # the most columns a sweep of the fused mix + norm covers at a time
+FUSED_TILE = 8192  # sources x columns of its accumulator tiles (32 registers a thread)
+FUSED_WARPS = 8
 
 
 def _warps(block: int) -> int:
@@ -113,24 +115,29 @@ def _mix_sum_kernel(srcs, strides, logits_ptr, out_ptr, H, stride_or,
 
 @triton.jit
 def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
-                     prefix_ptr, H, stride_or, stride_pr, eps, norm_eps,
+                     prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps,
                      N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
                      CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
     """One row of the fused AttnRes step, in three sweeps over column chunks of the row:
     (1) prefix = srcs[-1] + sum(deltas), stored, and every source's query dot and square
-    sum; (2) the softmax-weighted sum, stored in the output's dtype (where the unfused mix
-    stored it) with its square sum; (3) RMSNorm of the stored mix with ``w``. A CTA barrier
-    between sweeps makes the stored prefix and mix visible to the threads that reread them."""
+    sum, accumulated per column in an [S_PAD, CHUNK] tile and reduced once; the softmax
+    weights go to ``probs`` (a per-row scratch) so that (2) reads each as a scalar instead
+    of reducing again; (2) the weighted sum, stored in the output's dtype (where the unfused
+    mix stored it) with its square sum; (3) RMSNorm of the stored mix with ``w``. CTA
+    barriers make the stored prefix, weights and mix visible to the threads rereading
+    them."""
     row = tl.program_id(0)
     cols = tl.arange(0, CHUNK)
     idx = tl.arange(0, S_PAD)
+    sel = idx[:, None]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    dots = tl.zeros([S_PAD], dtype=tl.float32)
-    squares = tl.zeros([S_PAD], dtype=tl.float32)
+    dot2 = tl.zeros([S_PAD, CHUNK], dtype=tl.float32)
+    square2 = tl.zeros([S_PAD, CHUNK], dtype=tl.float32)
     for start in range(0, H, CHUNK):
-        offs = start + cols
+        # rows as [1, CHUNK] tiles: they broadcast into the accumulators' layout for free
+        offs = start + cols[None, :]
         mask = offs < H
         nq = (tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
               * tl.load(n_ptr + offs, mask=mask, other=0.0).to(tl.float32))
@@ -143,15 +150,17 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
             stored = last.to(prefix_ptr.dtype.element_ty)
             tl.store(prefix_ptr + row * stride_pr + offs, stored, mask=mask)
             last = stored.to(tl.float32)
-        dots = tl.where(idx == N_SRC - 1, dots + tl.sum(last * nq, 0), dots)
-        squares = tl.where(idx == N_SRC - 1, squares + tl.sum(last * last, 0), squares)
+        dot2 += tl.where(sel == N_SRC - 1, last * nq, 0.0)
+        square2 += tl.where(sel == N_SRC - 1, last * last, 0.0)
         for i in tl.static_range(N_SRC - 1):
             v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            dots = tl.where(idx == i, dots + tl.sum(v * nq, 0), dots)
-            squares = tl.where(idx == i, squares + tl.sum(v * v, 0), squares)
+            dot2 += tl.where(sel == i, v * nq, 0.0)
+            square2 += tl.where(sel == i, v * v, 0.0)
+    dots = tl.sum(dot2, 1)
+    squares = tl.sum(square2, 1)
     logits = tl.where(idx < N_SRC, dots * tl.rsqrt(squares / H + eps), float("-inf"))
     p = tl.exp(logits - tl.max(logits, 0))
-    p = p / tl.sum(p, 0)
+    tl.store(probs_ptr + row * S_PAD + idx, p / tl.sum(p, 0))
     tl.debug_barrier()
     total = tl.zeros([CHUNK], dtype=tl.float32)
     for start in range(0, H, CHUNK):
@@ -162,10 +171,10 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
         else:
             last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + offs, mask=mask,
                            other=0.0)
-        acc = tl.sum(tl.where(idx == N_SRC - 1, p, 0.0), 0) * last.to(tl.float32)
+        acc = tl.load(probs_ptr + row * S_PAD + N_SRC - 1) * last.to(tl.float32)
         for i in tl.static_range(N_SRC - 1):
             v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(tl.where(idx == i, p, 0.0), 0) * v
+            acc += tl.load(probs_ptr + row * S_PAD + i) * v
         mixed = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_or + offs, mixed, mask=mask)
         m = mixed.to(tl.float32)
@@ -307,7 +316,9 @@ class AttnResNorm:
         self.delta_strides = tuple(d.stride(0) for d in self.deltas)
         self.eps, self.norm_eps = float(eps), float(norm_eps)
         self.s_pad = max(2, next_pow2(len(sources)))
-        self.chunk = min(FUSED_CHUNK, next_pow2(width))
+        self.chunk = min(FUSED_CHUNK, next_pow2(width), FUSED_TILE // self.s_pad)
+        self.probs = scratch(out.device, "attn_res_probs", out.shape[0] * self.s_pad,
+                             torch.float32)
         self.pdl = pdl_allowed(pdl, out.device)
 
     def __call__(self) -> None:
@@ -317,7 +328,7 @@ class AttnResNorm:
             return
         _mix_norm_kernel[(rows,)](
             self.sources, self.strides, self.deltas, self.delta_strides, self.query,
-            self.mix_norm, self.weight, self.out, self.prefix, width, self.out.stride(0),
-            self.prefix.stride(0), self.eps, self.norm_eps, N_SRC=len(self.sources),
-            N_DELTA=self.n_delta, S_PAD=self.s_pad, CHUNK=self.chunk, USE_PDL=self.pdl,
-            num_warps=_warps(self.chunk), launch_pdl=self.pdl)
+            self.mix_norm, self.weight, self.out, self.prefix, self.probs, width,
+            self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps,
+            N_SRC=len(self.sources), N_DELTA=self.n_delta, S_PAD=self.s_pad, CHUNK=self.chunk,
+            USE_PDL=self.pdl, num_warps=FUSED_WARPS, launch_pdl=self.pdl)

@@ -117,7 +117,8 @@ def _mix_sum_kernel(srcs, strides, logits_ptr, out_ptr, H, stride_or,
 def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
                      prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps,
                      N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
-                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
+                     EARLY_DEPENDENTS: tl.constexpr, STAGES: tl.constexpr):
     """One row of the fused AttnRes step, in three sweeps over column chunks of the row:
     (1) prefix = srcs[-1] + sum(deltas), stored, and every source's query dot and square
     sum, accumulated per column in an [S_PAD, CHUNK] tile and reduced once; the softmax
@@ -132,10 +133,11 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
     sel = idx[:, None]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        if EARLY_DEPENDENTS:
+            tl.extra.cuda.gdc_launch_dependents()
     dot2 = tl.zeros([S_PAD, CHUNK], dtype=tl.float32)
     square2 = tl.zeros([S_PAD, CHUNK], dtype=tl.float32)
-    for start in range(0, H, CHUNK):
+    for start in tl.range(0, H, CHUNK, num_stages=STAGES):
         # rows as [1, CHUNK] tiles: they broadcast into the accumulators' layout for free
         offs = start + cols[None, :]
         mask = offs < H
@@ -163,7 +165,7 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
     tl.store(probs_ptr + row * S_PAD + idx, p / tl.sum(p, 0))
     tl.debug_barrier()
     total = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, H, CHUNK):
+    for start in tl.range(0, H, CHUNK, num_stages=STAGES):
         offs = start + cols
         mask = offs < H
         if N_DELTA > 0:
@@ -181,13 +183,15 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
         total += m * m
     scale = tl.rsqrt(tl.sum(total, 0) / H + norm_eps)
     tl.debug_barrier()
-    for start in range(0, H, CHUNK):
+    for start in tl.range(0, H, CHUNK, num_stages=STAGES):
         offs = start + cols
         mask = offs < H
         m = tl.load(out_ptr + row * stride_or + offs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_or + offs, (m * scale * w).to(out_ptr.dtype.element_ty),
                  mask=mask)
+    if USE_PDL and not EARLY_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _rows_of(name: str, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -291,7 +295,13 @@ class AttnResNorm:
     """A prepared fused AttnRes step (the fuse pass's ``attn_res_norm``): ``prefix = last +
     sum(deltas)`` written to ``prefix`` (when there are deltas), the mix of ``sources[:-1]``
     and that prefix with ``query`` and ``mix_norm``, then RMSNorm with ``weight`` into
-    ``out``. One launch, one program a row sweeping it in column chunks."""
+    ``out``. One launch, one program a row sweeping it in column chunks.
+
+    ``early_dependents``: let the next kernel launch right after ``gdc_wait`` (as the other
+    kernels here do) rather than at the end."""
+
+    early_dependents: bool = True
+    stages: int = 3  # chunks of the sweeps' loads in flight (Triton's loop pipelining)
 
     def __init__(self, sources: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
                  query: torch.Tensor, mix_norm: torch.Tensor, weight: torch.Tensor,
@@ -331,4 +341,5 @@ class AttnResNorm:
             self.mix_norm, self.weight, self.out, self.prefix, self.probs, width,
             self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps,
             N_SRC=len(self.sources), N_DELTA=self.n_delta, S_PAD=self.s_pad, CHUNK=self.chunk,
-            USE_PDL=self.pdl, num_warps=FUSED_WARPS, launch_pdl=self.pdl)
+            USE_PDL=self.pdl, EARLY_DEPENDENTS=self.early_dependents, STAGES=self.stages,
+            num_warps=FUSED_WARPS, launch_pdl=self.pdl)

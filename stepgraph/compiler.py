@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from stepgraph.artifact import build_document
@@ -12,12 +13,22 @@ from stepgraph.passes.pipeline import CompileOptions, default_pipeline
 from stepgraph.spec import Deployment, Spec
 
 
-def _tables(deployment: Deployment) -> tuple[Any, dict[str, Any]]:
-    from stepgraph.tactics import load_tables
+def _tables(deployment: Deployment, path: str | Path | None = None
+            ) -> tuple[Any, dict[str, Any]]:
+    """The tactic tables of the deployment's target (or of the file at ``path``, which must
+    be a table for that target or the portable ``default`` one) and what the artifact records
+    of them."""
+    from stepgraph.tactics import TacticsError, load_tables
 
-    tables = load_tables(deployment.target)
-    return tables, {"target": deployment.target, "version": tables.version,
-                    "digest": tables.digest}
+    tables = load_tables(deployment.target, path)
+    if path is not None and tables.data.target not in (deployment.target, "default"):
+        raise TacticsError(f"{path}: a tactic table for target {tables.data.target}, but the "
+                           f"deployment targets {deployment.target}: compile with --target "
+                           f"{tables.data.target} or give a {deployment.target} table")
+    record = {"target": deployment.target, "version": tables.version, "digest": tables.digest}
+    if path is not None:
+        record["path"] = str(Path(path).resolve())
+    return tables, record
 
 
 def compile_graph(
@@ -26,12 +37,14 @@ def compile_graph(
     options: CompileOptions | None = None,
     after: DumpHook | None = None,
     stop_after: str | None = None,
+    tables_path: str | Path | None = None,
 ) -> tuple[Graph, list[PassReport]]:
     """Build the step graph of ``spec`` and run the pipeline; returns the graph and per-pass
-    reports."""
+    reports. ``tables_path``: a tactic table file (``stepgraph tune``'s output) instead of
+    the target's own."""
     deployment = deployment or spec.deployment
     options = options or CompileOptions()
-    tables, _ = _tables(deployment)
+    tables, _ = _tables(deployment, tables_path)
     ctx = CompileContext(spec.model, deployment, {"tactics": tables})
     graph = build_step(spec.model, deployment)
     if after is not None:
@@ -44,12 +57,13 @@ def compile_document(
     deployment: Deployment | None = None,
     options: CompileOptions | None = None,
     after: DumpHook | None = None,
+    tables_path: str | Path | None = None,
 ) -> tuple[dict[str, Any], list[PassReport]]:
     """Compile and wrap the result in an artifact document (see :mod:`stepgraph.artifact`)."""
     deployment = deployment or spec.deployment
     options = options or CompileOptions()
-    graph, reports = compile_graph(spec, deployment, options, after)
-    _, tables = _tables(deployment)
+    graph, reports = compile_graph(spec, deployment, options, after, tables_path=tables_path)
+    _, tables = _tables(deployment, tables_path)
     document = build_document(
         graph,
         spec.model.model_dump(mode="json"),

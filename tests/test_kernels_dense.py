@@ -102,7 +102,8 @@ def _poisoned(rows: int, width: int, dtype: Any, device: str, pad: int = 0) -> A
 def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
                     seed: int = 0) -> dict[str, float]:
     """rmsnorm (bf16 and float32 inputs, strided), add (2 and 3 operands), attn_res_mix
-    (1, 3 and 6 sources of different scales) through the triton providers."""
+    (1, 3 and 6 sources of different scales) and attn_res_norm (1 to 9 sources, 0 to 2
+    deltas; both outputs) through the triton providers."""
     from stepgraph.runtime.providers import triton_dense as td
 
     gen = torch.Generator().manual_seed(seed)
@@ -486,7 +487,7 @@ def test_graph_chain_with_pdl_gpu(rows: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("width", (7168, 3584))
 def test_small_ops_gpu(width: int) -> None:
-    """rmsnorm / add / attn_res_mix at K3 widths, rows 1..64, PDL on."""
+    """rmsnorm / add / attn_res_mix / attn_res_norm at K3 widths, rows 1..64, PDL on."""
     for rows in ROWS:
         errors = check_small_ops(rows, width, "cuda", pdl=True, seed=rows)
         print(rows, width, {k: f"{v:.1e}" for k, v in errors.items()})

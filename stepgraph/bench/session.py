@@ -92,7 +92,7 @@ def git_commit() -> str:
 
 def recompile_graph(artifact: Artifact, pdl: bool) -> Graph:
     """The artifact's spec and deployment compiled again with the PDL/prefetch pass on or off
-    (the other compile options as recorded)."""
+    (the other compile options and the tactic table file as recorded)."""
     from stepgraph.compiler import compile_graph
     from stepgraph.passes.pipeline import CompileOptions
     from stepgraph.spec import Spec
@@ -101,7 +101,8 @@ def recompile_graph(artifact: Artifact, pdl: bool) -> Graph:
     spec = Spec.model_validate({"model": document["spec"], "deployment": document["deployment"]})
     recorded = dict(document.get("options", {}))
     options = CompileOptions(**{**recorded, "pdl": pdl})
-    graph, _ = compile_graph(spec, spec.deployment, options)
+    tables = document.get("tables", {}).get("path")
+    graph, _ = compile_graph(spec, spec.deployment, options, tables_path=tables)
     return graph
 
 

@@ -41,13 +41,16 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
-    """--no-pdl, --no-pack, --no-fuse (ablations)."""
+    """--no-pdl, --no-pack, --no-fuse (ablations); --tactics FILE."""
     parser.add_argument("--no-pdl", action="store_true",
                         help="turn the PDL + prefetch pass off (ablation)")
     parser.add_argument("--no-pack", action="store_true",
                         help="keep projections unpacked (ablation)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="keep the AttnRes add, mix and norm separate (ablation)")
+    parser.add_argument("--tactics", metavar="FILE",
+                        help="a tactic table file (e.g. `stepgraph tune`'s output) instead of "
+                             "the target's own")
 
 
 def options_from(args: argparse.Namespace):  # -> CompileOptions (lazy import)

@@ -61,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dump_after:
         which, folder = args.dump_after
         hook = dump_hook(which, Path(folder), ("frontend", *PASS_ORDER))
-    document, reports = compile_document(spec, deployment, options_from(args), hook)
+    document, reports = compile_document(spec, deployment, options_from(args), hook,
+                                         tables_path=args.tactics)
     size = write_artifact(document, args.output)
     seconds = time.perf_counter() - start
     if args.verbose:

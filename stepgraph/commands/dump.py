@@ -38,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     if args.after == "frontend":
         graph = build_step(spec.model, deployment)
     elif args.after in PASS_ORDER:
-        graph, _ = compile_graph(spec, deployment, options_from(args), stop_after=args.after)
+        graph, _ = compile_graph(spec, deployment, options_from(args), stop_after=args.after,
+                                 tables_path=args.tactics)
     else:
         raise UserError(f"--after {args.after}: no such pass; choose frontend or one of "
                         f"{', '.join(PASS_ORDER)}")

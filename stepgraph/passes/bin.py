@@ -31,7 +31,7 @@ from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
 from stepgraph.ir.types import Storage, eval_dim, is_rows_dim
 from stepgraph.passes.manager import CompileContext, PassResult
-from stepgraph.tactics import TacticTables, load_tables
+from stepgraph.tactics import TacticTables, load_tables, table_path
 
 ATTENTION_KINDS = ("kda", "mla", "dsa")
 STOCK = "stock"
@@ -146,6 +146,8 @@ class Bin:
         g.meta["decisions"] = decisions
         g.meta["tactics"] = {"target": tables.data.target, "version": tables.version,
                              "digest": tables.digest, "file": Path(tables.path).name}
+        if Path(tables.path).resolve() != table_path(tables.data.target).resolve():
+            g.meta["tactics"]["path"] = str(Path(tables.path).resolve())
         stock = [e["rows"] for e in bins if e["path"] == STOCK]
         summary = (f"{len(bins)} bins ({', '.join(str(e['rows']) for e in bins)} rows), "
                    f"step cap {step}, {len(decisions)} nodes decided with {tables.label}"

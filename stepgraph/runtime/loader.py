@@ -143,8 +143,11 @@ def _preferences(graph: Graph, target: str, notes: list[str]
     tables changed since the artifact was compiled)."""
     from stepgraph.tactics import TacticsError, load_tables
 
+    tactics = graph.meta.get("tactics", {})
+    recorded, own = tactics.get("digest"), tactics.get("path")
     tables = load_tables(target)
-    recorded = graph.meta.get("tactics", {}).get("digest")
+    if own and recorded != tables.digest and Path(own).is_file():
+        tables = load_tables(target, own)  # the table file it was compiled with
     if recorded and recorded != tables.digest:
         notes.append(f"the {target} tactic tables changed since this artifact was compiled "
                      f"(provider preferences come from the current {tables.version})")

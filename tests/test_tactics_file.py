@@ -1,0 +1,96 @@
+"""`compile --tactics FILE`: a tuned tactic table (``stepgraph tune``'s output) drives the bin
+pass instead of the target's own file; the artifact records it by digest (its input hash does
+not depend on where the file lies) and by path, which the runtime and the bench's recompile
+use again. A table for another target is refused in one line."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import MODELS, run_cli
+
+from stepgraph.artifact import load_artifact
+from stepgraph.runtime.tune import Measurement, ProjShape, table_rows, write_table
+from stepgraph.tactics import table_path
+
+K3 = str(MODELS / "kimi_k3.yaml")
+
+
+def _tuned(folder: Path) -> Path:
+    """A table where cuBLAS measured fastest at 1 row and split-K at 64 rows for the K3 TP8
+    KDA projection (the h200 table picks split-K at 1 row: the 8-row tactic)."""
+    shape = ProjShape(6288, 7168, "bfloat16")
+    results = [Measurement(shape, 1, 10.0, {(128, 8, 2, 6): 12.0}),
+               Measurement(shape, 64, 30.0, {(64, 64, 1, 6): 20.0})]
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / "tuned.yaml"
+    write_table(table_path("h200"), table_rows(results, 8, 1, "measured by a test"), out,
+                "TEST", "2026-11-30")
+    return out
+
+
+def _in_proj(artifact: Path, rows: str) -> dict:
+    return load_artifact(artifact).graph.meta["decisions"]["l1.in_proj"][rows]
+
+
+def _compile(tmp_path: Path, name: str, *extra: str) -> Path:
+    out = tmp_path / name
+    result = run_cli("compile", K3, "--tp", "8", "--batches", "1,64", "-o", str(out), *extra)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_a_tuned_table_drives_the_bin_pass(tmp_path: Path) -> None:
+    table = _tuned(tmp_path / "a")
+    plain = _compile(tmp_path, "plain.sgart")
+    tuned = _compile(tmp_path, "tuned.sgart", "--tactics", str(table))
+    assert _in_proj(plain, "1")["provider"] == "splitk"
+    assert _in_proj(tuned, "1")["provider"] == "cublas"
+    assert "measured by a test" in _in_proj(tuned, "1")["reason"]
+    assert _in_proj(tuned, "64")["tactic"]["n_tile"] == 64
+    document = load_artifact(tuned).document
+    assert document["tables"]["path"] == str(table.resolve())
+    assert load_artifact(tuned).graph.meta["tactics"]["path"] == str(table.resolve())
+    assert "path" not in load_artifact(plain).graph.meta["tactics"]
+
+
+def test_the_input_hash_follows_the_digest_not_the_path(tmp_path: Path) -> None:
+    first = _tuned(tmp_path / "a")
+    second = tmp_path / "b" / "same.yaml"
+    second.parent.mkdir()
+    shutil.copy(first, second)
+    one = load_artifact(_compile(tmp_path, "one.sgart", "--tactics", str(first))).document
+    two = load_artifact(_compile(tmp_path, "two.sgart", "--tactics", str(second))).document
+    plain = load_artifact(_compile(tmp_path, "plain.sgart")).document
+    assert one["input_hash"] == two["input_hash"] != plain["input_hash"]
+
+
+def test_a_table_for_another_target_is_refused(tmp_path: Path) -> None:
+    result = run_cli("compile", K3, "--tp", "8", "--target", "b200", "-o",
+                     str(tmp_path / "x.sgart"), "--tactics", str(_tuned(tmp_path / "a")))
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and "target h200" in result.stderr, result.stderr
+    assert not (tmp_path / "x.sgart").exists()
+    missing = run_cli("compile", K3, "-o", str(tmp_path / "y.sgart"), "--tactics",
+                      str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1, missing.stderr
+
+
+def test_runtime_preferences_and_bench_recompile_use_the_recorded_table(tmp_path) -> None:
+    pytest.importorskip("torch")
+    from stepgraph.bench.session import recompile_graph
+    from stepgraph.runtime.loader import _preferences
+
+    table = _tuned(tmp_path / "a")
+    artifact = load_artifact(_compile(tmp_path, "tuned.sgart", "--tactics", str(table)))
+    notes: list[str] = []
+    _preferences(artifact.graph, "h200", notes)
+    assert notes == []  # the recorded file is found: no "tables changed" note
+    again = recompile_graph(artifact, pdl=False)
+    assert again.meta["tactics"]["digest"] == artifact.graph.meta["tactics"]["digest"]
+    assert again.meta["decisions"]["l1.in_proj"]["1"]["provider"] == "cublas"
+    table.unlink()
+    _preferences(artifact.graph, "h200", notes)
+    assert len(notes) == 1 and "changed since this artifact was compiled" in notes[0]

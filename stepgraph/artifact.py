@@ -49,9 +49,7 @@ def sha256(data: Any) -> str:
 
 def input_hash(spec: dict[str, Any], deployment: dict[str, Any], options: dict[str, Any],
                tables: dict[str, Any]) -> str:
-    """The identity of a compilation's inputs (changes with any spec/deployment field). A
-    tactic table counts by its digest, not by where its file lies."""
-    tables = {k: v for k, v in tables.items() if k != "path"}
+    """The identity of a compilation's inputs (changes with any spec/deployment field)."""
     return sha256({"spec": spec, "deployment": deployment, "options": options,
                    "tables": tables, "compiler_version": __version__})
 

@@ -17,7 +17,7 @@ def _tables(deployment: Deployment, path: str | Path | None = None
             ) -> tuple[Any, dict[str, Any]]:
     """The tactic tables of the deployment's target (or of the file at ``path``, which must
     be a table for that target or the portable ``default`` one) and what the artifact records
-    of them."""
+    of them (the bin pass records a file other than the target's own in ``meta["tactics"]``)."""
     from stepgraph.tactics import TacticsError, load_tables
 
     tables = load_tables(deployment.target, path)
@@ -25,10 +25,18 @@ def _tables(deployment: Deployment, path: str | Path | None = None
         raise TacticsError(f"{path}: a tactic table for target {tables.data.target}, but the "
                            f"deployment targets {deployment.target}: compile with --target "
                            f"{tables.data.target} or give a {deployment.target} table")
-    record = {"target": deployment.target, "version": tables.version, "digest": tables.digest}
-    if path is not None:
-        record["path"] = str(Path(path).resolve())
-    return tables, record
+    return tables, {"target": deployment.target, "version": tables.version,
+                    "digest": tables.digest}
+
+
+def _run(spec: Spec, deployment: Deployment, options: CompileOptions, tables: Any,
+         after: DumpHook | None, stop_after: str | None) -> tuple[Graph, list[PassReport]]:
+    """The frontend and the pipeline with loaded tactic tables."""
+    ctx = CompileContext(spec.model, deployment, {"tactics": tables})
+    graph = build_step(spec.model, deployment)
+    if after is not None:
+        after("frontend", graph)
+    return run_pipeline(graph, default_pipeline(options), ctx, after, stop_after)
 
 
 def compile_graph(
@@ -43,13 +51,8 @@ def compile_graph(
     reports. ``tables_path``: a tactic table file (``stepgraph tune``'s output) instead of
     the target's own."""
     deployment = deployment or spec.deployment
-    options = options or CompileOptions()
     tables, _ = _tables(deployment, tables_path)
-    ctx = CompileContext(spec.model, deployment, {"tactics": tables})
-    graph = build_step(spec.model, deployment)
-    if after is not None:
-        after("frontend", graph)
-    return run_pipeline(graph, default_pipeline(options), ctx, after, stop_after)
+    return _run(spec, deployment, options or CompileOptions(), tables, after, stop_after)
 
 
 def compile_document(
@@ -62,13 +65,13 @@ def compile_document(
     """Compile and wrap the result in an artifact document (see :mod:`stepgraph.artifact`)."""
     deployment = deployment or spec.deployment
     options = options or CompileOptions()
-    graph, reports = compile_graph(spec, deployment, options, after, tables_path=tables_path)
-    _, tables = _tables(deployment, tables_path)
+    tables, record = _tables(deployment, tables_path)
+    graph, reports = _run(spec, deployment, options, tables, after, None)
     document = build_document(
         graph,
         spec.model.model_dump(mode="json"),
         deployment.model_dump(mode="json"),
         options.to_json(),
-        tables,
+        record,
     )
     return document, reports

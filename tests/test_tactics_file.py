@@ -1,10 +1,11 @@
 """`compile --tactics FILE`: a tuned tactic table (``stepgraph tune``'s output) drives the bin
 pass instead of the target's own file; the artifact records it by digest (its input hash does
-not depend on where the file lies) and by path, which the runtime and the bench's recompile
-use again. A table for another target is refused in one line."""
+not depend on where the file lies) and the graph by path, which the runtime and the bench's
+recompile use again. A table for another target is refused in one line."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -51,7 +52,9 @@ def test_a_tuned_table_drives_the_bin_pass(tmp_path: Path) -> None:
     assert "measured by a test" in _in_proj(tuned, "1")["reason"]
     assert _in_proj(tuned, "64")["tactic"]["n_tile"] == 64
     document = load_artifact(tuned).document
-    assert document["tables"]["path"] == str(table.resolve())
+    digest = hashlib.sha256(table.read_bytes()).hexdigest()
+    assert document["tables"]["digest"] == digest != load_artifact(plain).document["tables"][
+        "digest"]
     assert load_artifact(tuned).graph.meta["tactics"]["path"] == str(table.resolve())
     assert "path" not in load_artifact(plain).graph.meta["tactics"]
 

@@ -101,7 +101,7 @@ def recompile_graph(artifact: Artifact, pdl: bool) -> Graph:
     spec = Spec.model_validate({"model": document["spec"], "deployment": document["deployment"]})
     recorded = dict(document.get("options", {}))
     options = CompileOptions(**{**recorded, "pdl": pdl})
-    tables = document.get("tables", {}).get("path")
+    tables = artifact.graph.meta.get("tactics", {}).get("path")
     graph, _ = compile_graph(spec, spec.deployment, options, tables_path=tables)
     return graph
 

@@ -99,6 +99,7 @@ class _Finder:
         last = sources[-1]
         add = self._add_of(last)
         deltas: list[str] = []
+        inner: list[str] = []
         dropped = [mix.name, norm.name]
         outputs = [norm.outputs[0]]
         here = g.position(mix.name)
@@ -119,7 +120,7 @@ class _Finder:
             unit=mix.unit,
         )
         self.taken.update(dropped)
-        inner_values = [g.node(n).outputs[0] for n in dropped[3:]]
+        inner_values = [g.node(name).outputs[0] for name in inner]
         return _Fusion(fused, tuple(dropped), (mixed, *inner_values))
 
 

@@ -23,6 +23,7 @@ MAX_SOURCES = 64
 FUSED_CHUNK = 2048  # the most columns a sweep of the fused mix + norm covers at a time
 FUSED_TILE = 8192  # sources x columns of its accumulator tiles (32 registers a thread)
 FUSED_WARPS = 8
+FUSED_STAGES = 3  # chunks of the sweeps' loads in flight (Triton's loop pipelining)
 
 
 def _warps(block: int) -> int:
@@ -117,8 +118,7 @@ def _mix_sum_kernel(srcs, strides, logits_ptr, out_ptr, H, stride_or,
 def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
                      prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps,
                      N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
-                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr,
-                     EARLY_DEPENDENTS: tl.constexpr, STAGES: tl.constexpr):
+                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr):
     """One row of the fused AttnRes step, in three sweeps over column chunks of the row:
     (1) prefix = srcs[-1] + sum(deltas), stored, and every source's query dot and square
     sum, accumulated per column in an [S_PAD, CHUNK] tile and reduced once; the softmax
@@ -133,8 +133,7 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
     sel = idx[:, None]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        if EARLY_DEPENDENTS:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     dot2 = tl.zeros([S_PAD, CHUNK], dtype=tl.float32)
     square2 = tl.zeros([S_PAD, CHUNK], dtype=tl.float32)
     for start in tl.range(0, H, CHUNK, num_stages=STAGES):
@@ -190,8 +189,6 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_or + offs, (m * scale * w).to(out_ptr.dtype.element_ty),
                  mask=mask)
-    if USE_PDL and not EARLY_DEPENDENTS:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _rows_of(name: str, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -295,13 +292,7 @@ class AttnResNorm:
     """A prepared fused AttnRes step (the fuse pass's ``attn_res_norm``): ``prefix = last +
     sum(deltas)`` written to ``prefix`` (when there are deltas), the mix of ``sources[:-1]``
     and that prefix with ``query`` and ``mix_norm``, then RMSNorm with ``weight`` into
-    ``out``. One launch, one program a row sweeping it in column chunks.
-
-    ``early_dependents``: let the next kernel launch right after ``gdc_wait`` (as the other
-    kernels here do) rather than at the end."""
-
-    early_dependents: bool = True
-    stages: int = 3  # chunks of the sweeps' loads in flight (Triton's loop pipelining)
+    ``out``. One launch, one program a row sweeping it in column chunks."""
 
     def __init__(self, sources: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
                  query: torch.Tensor, mix_norm: torch.Tensor, weight: torch.Tensor,
@@ -318,6 +309,7 @@ class AttnResNorm:
         for name, t in (("query", query), ("mix norm", mix_norm), ("norm weight", weight)):
             if tuple(t.shape) != (width,):
                 raise UserError(f"attn_res_norm: {name} {list(t.shape)} for rows of {width}")
+        # Triton takes no empty tuple: without deltas a stand-in the kernel never reads
         self.sources, self.deltas = tuple(sources), tuple(deltas) or (sources[-1],)
         self.n_delta = len(deltas)
         self.query, self.mix_norm, self.weight, self.out = query, mix_norm, weight, out
@@ -341,5 +333,4 @@ class AttnResNorm:
             self.mix_norm, self.weight, self.out, self.prefix, self.probs, width,
             self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps,
             N_SRC=len(self.sources), N_DELTA=self.n_delta, S_PAD=self.s_pad, CHUNK=self.chunk,
-            USE_PDL=self.pdl, EARLY_DEPENDENTS=self.early_dependents, STAGES=self.stages,
-            num_warps=FUSED_WARPS, launch_pdl=self.pdl)
+            USE_PDL=self.pdl, STAGES=FUSED_STAGES, num_warps=FUSED_WARPS, launch_pdl=self.pdl)

@@ -5,6 +5,7 @@ nothing), padding touching no real state, and the refusals."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -336,6 +337,41 @@ def test_padding_rows_touch_no_real_slot_or_block() -> None:
         else:
             assert touched <= {2, scratch}, (name, touched)
             assert 2 in touched
+
+
+def test_inputs_live_in_one_block_and_a_bad_step_writes_nothing() -> None:
+    """The input buffers are views of one device block (one copy fills them), each in its
+    own bytes; a step refused for a bad input leaves every buffer as it was."""
+    step = cpu_step(compiled("tiny_k3"))
+    filler = step.filler
+    buffers = filler.buffers
+    assert set(buffers) == set(step.bindings.inputs)
+    spans = []
+    for name, buffer in buffers.items():
+        assert buffer.untyped_storage().data_ptr() == filler.block.untyped_storage().data_ptr()
+        start = buffer.data_ptr() - filler.block.data_ptr()
+        spans.append((start, start + buffer.numel() * buffer.element_size(), name))
+    spans.sort()
+    for (_, end, a), (start, _, b) in itertools.pairwise(spans):
+        assert end <= start, f"{a} and {b} overlap"
+    assert spans[-1][2] == "block_tables"  # the largest last: a bin copies its rows only
+
+    good = StepInputs(tokens=[9, 8], positions=[3, 1], kda_state_indices=[2, -1],
+                      block_tables=[[5, 6], [1, 2]], seq_lens=[4, 2],
+                      slot_mapping=[5 * BLOCK_SIZE + 3, 1 * BLOCK_SIZE + 1])
+    filler.fill(good, 4)
+    assert buffers["tokens"][:4].tolist() == [9, 8, 0, 0]
+    assert buffers["kda_state_indices"][:4].tolist() == [2] + [filler.limits.slots] * 3
+    assert buffers["slot_mapping"][:4].tolist() == [23, 5, -1, -1]
+    assert buffers["block_tables"][:2, :2].tolist() == [[5, 6], [1, 2]]
+    assert buffers["block_tables"][2:4].abs().sum() == 0
+    before = {name: buffer.clone() for name, buffer in buffers.items()}
+    bad = StepInputs(tokens=[1, 2], positions=[0, 0], kda_state_indices=[0, 1],
+                     block_tables=[[0], [1]], seq_lens=[1, 1], slot_mapping=[0, 10 ** 6])
+    with pytest.raises(UserError, match="slot_mapping"):
+        filler.fill(bad, 4)
+    for name, buffer in buffers.items():
+        assert torch.equal(buffer, before[name]), name
 
 
 # ---------------------------------------------------------------------- refusals

@@ -164,6 +164,49 @@ def test_replays_of_one_step_agree() -> None:
     assert relative_error(step.step(inputs), first) > 1e-3
 
 
+def test_steps_queued_ahead_of_the_gpu_keep_their_own_inputs() -> None:
+    """step() does not wait for the GPU: with the GPU held busy, the host queues several
+    steps (the input copies are asynchronous, from pinned mirrors), and a burst of steps
+    longer than the mirrors, queued without waiting, gives each step the logits it gives
+    when every step is waited for."""
+    step = load(tiny_graph("tiny_k3"), weights="random", device="cuda", dtype="bfloat16",
+                progress=False, allow_target_mismatch=not on_h200())
+    for cache in step.caches.values():
+        cache.normal_()
+    saved = {n: c.clone() for n, c in step.caches.items()}
+    rows = 3
+    gen = torch.Generator().manual_seed(11)
+    burst = [StepInputs(tokens=torch.randint(0, 256, (rows,), generator=gen).tolist(),
+                        positions=[7 + t] * rows, kda_state_indices=list(range(rows)),
+                        block_tables=[[r, r + 8] for r in range(rows)],
+                        seq_lens=[8 + t] * rows,
+                        slot_mapping=[r * 64 + 7 + t for r in range(rows)])
+             for t in range(3 * len(step.filler.mirrors))]
+
+    def run(wait: bool) -> list[torch.Tensor]:
+        for name, cache in step.caches.items():
+            cache.copy_(saved[name])
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # the GPU is busy while the host queues the burst
+        outs = []
+        for t, inputs in enumerate(burst):
+            outs.append(step.step(inputs))
+            if t == len(step.filler.mirrors) - 2 and not wait:
+                assert not torch.cuda.current_stream().query(), \
+                    "the host waited for the GPU within the first steps"
+            if wait:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return outs
+
+    waited, queued = run(True), run(False)
+    for t, (a, b) in enumerate(zip(queued, waited, strict=True)):
+        assert torch.isfinite(b).all()
+        err = relative_error(a, b)
+        assert err < 1e-3, f"step {t}: queued differs from waited by {err:.3e}"
+    assert relative_error(waited[0], waited[1]) > 1e-2  # the steps differ from each other
+
+
 def test_other_targets_are_refused_on_the_gpu() -> None:
     spec = load_spec(MODELS / "tiny_k3.yaml")
     for target in ("cpu", "b200"):

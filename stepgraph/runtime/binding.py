@@ -150,16 +150,25 @@ def regroup_launches(graph: Graph, bound: Mapping[str, torch.Tensor]
     return copies
 
 
+def static_shapes(graph: Graph, storage: Storage, rows: int, symbols: Mapping[str, int],
+                  compute: torch.dtype, names: Collection[str] | None = None
+                  ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of every value of ``storage`` (``names`` only, when given) at
+    ``rows`` rows."""
+    return {
+        value.name: (_shape(value, rows, symbols), storage_dtype(value.type.dtype, compute))
+        for value in graph.values_of(storage) if names is None or value.name in names
+    }
+
+
 def static_buffers(graph: Graph, storage: Storage, rows: int, symbols: Mapping[str, int],
                    compute: torch.dtype, device: torch.device,
                    names: Collection[str] | None = None) -> dict[str, torch.Tensor]:
-    """Zeroed buffers for every value of ``storage`` (inputs or outputs; ``names`` only,
+    """Zeroed buffers for every value of ``storage`` (outputs, kept temps; ``names`` only,
     when given) at ``rows`` rows."""
-    return {
-        value.name: torch.zeros(_shape(value, rows, symbols),
-                                dtype=storage_dtype(value.type.dtype, compute), device=device)
-        for value in graph.values_of(storage) if names is None or value.name in names
-    }
+    shapes = static_shapes(graph, storage, rows, symbols, compute, names)
+    return {name: torch.zeros(shape, dtype=dtype, device=device)
+            for name, (shape, dtype) in shapes.items()}
 
 
 def bind_weights(graph: Graph, weights: Mapping[str, torch.Tensor], compute: torch.dtype,

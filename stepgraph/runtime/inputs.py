@@ -10,6 +10,7 @@ a negative state index also uses the scratch slot (it reads zeros, as in the ref
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -83,51 +84,142 @@ class Limits:
         return self.width * self.block_size
 
 
-class InputFiller:
-    """Writes a step's inputs, padded to a bin, into the static input buffers."""
+MIRRORS = 4  # pinned host mirrors: how many steps the host may run ahead of the GPU
+ALIGN = 256  # byte alignment of each input buffer in the packed block
 
-    def __init__(self, buffers: Mapping[str, torch.Tensor], limits: Limits) -> None:
-        self.buffers = dict(buffers)
-        self.limits = limits
-        unknown = sorted(set(self.buffers) - set(FIELDS))
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one input buffer lies in the packed block: byte ``offset``, ``shape``, dtype."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The numpy dtype of the buffer's elements."""
+        return torch.empty((), dtype=self.dtype).numpy().dtype
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (the leading dim)."""
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole buffer."""
+        return self.shape[0] * self.row_bytes
+
+    def view(self, block: torch.Tensor) -> torch.Tensor:
+        """The buffer as a typed view of the device ``block``."""
+        raw = block[self.offset: self.offset + self.nbytes]
+        return raw.view(self.dtype).view(self.shape)
+
+    def host_view(self, mirror: np.ndarray) -> np.ndarray:
+        """The buffer as a typed view of a host mirror (numpy bytes)."""
+        raw = mirror[self.offset: self.offset + self.nbytes]
+        return raw.view(self.np_dtype).reshape(self.shape)
+
+
+def packed_layout(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                  ) -> dict[str, Placement]:
+    """Byte placements of the input buffers in one block, smallest first (a bin then copies
+    every small buffer whole and the largest, the block tables, up to its rows), each
+    aligned to :data:`ALIGN` bytes."""
+    places: dict[str, Placement] = {}
+    offset = 0
+    by_size = sorted(shapes.items(), key=lambda item: math.prod(item[1][0]) * item[1][1].itemsize)
+    for name, (shape, dtype) in by_size:
+        place = Placement(offset, tuple(shape), dtype)
+        places[name] = place
+        offset += -(-place.nbytes // ALIGN) * ALIGN
+    return places
+
+
+class InputFiller:
+    """Writes a step's inputs, padded to a bin, into the static input buffers.
+
+    Every input buffer is a view of one device block (:attr:`buffers`); a step writes the
+    bin's rows into a host mirror of that block and copies the used span to the GPU in one
+    copy. On a GPU the mirrors are pinned and the copy asynchronous, so the host never waits
+    for the GPU: it may run up to :data:`MIRRORS` steps ahead (a mirror is rewritten only
+    after its last copy has run). Inputs are checked before anything is written, so a bad
+    step leaves the buffers as they were.
+    """
+
+    def __init__(self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+                 limits: Limits, device: torch.device) -> None:
+        unknown = sorted(set(shapes) - set(FIELDS))
         if unknown:
             raise UserError(f"the step reads input(s) {', '.join(unknown)}, which this runtime "
                             f"does not know how to fill")
+        self.limits = limits
+        self.layout = packed_layout(shapes)
+        total = max((p.offset + p.nbytes for p in self.layout.values()), default=0)
+        self.block = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
+        self.buffers = {name: p.view(self.block) for name, p in self.layout.items()}
+        pinned = device.type == "cuda"
+        count = MIRRORS if pinned else 1
+        self.mirrors = [torch.zeros(self.block.numel(), dtype=torch.uint8, pin_memory=pinned)
+                        for _ in range(count)]
+        self.host_views = [{name: p.host_view(mirror.numpy()) for name, p in self.layout.items()}
+                           for mirror in self.mirrors]
+        self.copied = [torch.cuda.Event() if pinned else None for _ in range(count)]
+        self.turn = 0
 
     def padding(self, name: str, rows: int) -> np.ndarray:
         """The host array of input ``name`` for ``rows`` padding rows."""
-        buffer = self.buffers[name]
-        dtype = torch.empty((), dtype=buffer.dtype).numpy().dtype
-        shape = (rows, *buffer.shape[1:])
-        fill = {"kda_state_indices": self.limits.slots, "num_accepted_tokens": 1,
+        place = self.layout[name]
+        return np.full((rows, *place.shape[1:]), self._fill_value(name), dtype=place.np_dtype)
+
+    def _fill_value(self, name: str) -> int:
+        return {"kda_state_indices": self.limits.slots, "num_accepted_tokens": 1,
                 "slot_mapping": -1}.get(name, 0)
-        return np.full(shape, fill, dtype=dtype)
 
     def fill(self, inputs: StepInputs, bin_rows: int) -> None:
         """Check ``inputs`` and write them, padded to ``bin_rows`` rows, into the buffers."""
         rows = inputs.rows
-        for name, buffer in self.buffers.items():
-            host = self.padding(name, bin_rows)
+        arrays: dict[str, np.ndarray] = {}
+        for name in self.layout:
             given = getattr(inputs, name)
             if given is None:
-                if name == "num_accepted_tokens":
-                    given = np.ones(rows, dtype=np.int32)
-                else:
+                if name != "num_accepted_tokens":
                     raise UserError(f"step input {name} is missing (this step reads it)")
+                given = np.ones(rows, dtype=np.int32)
             array = _host(given)
             self._check(name, array, rows)
-            if name == "block_tables":
-                host[:rows, : array.shape[1]] = array
-            elif name == "kda_state_indices":
-                host[:rows] = np.where(array >= 0, array, self.limits.slots)
-            else:
-                host[:rows] = array.reshape(rows)
-            buffer[:bin_rows].copy_(torch.from_numpy(host))
+            arrays[name] = array
+        self._write(arrays, rows, bin_rows)
 
     def fill_padding(self, bin_rows: int) -> None:
         """Make every row of bin ``bin_rows`` a padding row (for warm-up and capture)."""
-        for name, buffer in self.buffers.items():
-            buffer[:bin_rows].copy_(torch.from_numpy(self.padding(name, bin_rows)))
+        self._write({}, 0, bin_rows)
+
+    def _write(self, arrays: Mapping[str, np.ndarray], rows: int, bin_rows: int) -> None:
+        """Write ``arrays`` (``rows`` real rows) padded to ``bin_rows`` into the next host
+        mirror and copy the span the bin reads to the device block."""
+        turn = self.turn % len(self.mirrors)
+        self.turn += 1
+        event = self.copied[turn]
+        if event is not None:
+            event.synchronize()  # the copy that last read this mirror has run
+        span = 0
+        for name, place in self.layout.items():
+            host = self.host_views[turn][name][:bin_rows]
+            host[...] = self._fill_value(name)
+            array = arrays.get(name)
+            if array is not None:
+                if name == "block_tables":
+                    host[:rows, : array.shape[1]] = array
+                elif name == "kda_state_indices":
+                    host[:rows] = np.where(array >= 0, array, self.limits.slots)
+                else:
+                    host[:rows] = array.reshape(rows)
+            span = max(span, place.offset + bin_rows * place.row_bytes)
+        self.block[:span].copy_(self.mirrors[turn][:span], non_blocking=event is not None)
+        if event is not None:
+            event.record()
 
     def _check(self, name: str, array: np.ndarray, rows: int) -> None:
         lim = self.limits

@@ -29,6 +29,7 @@ from stepgraph.runtime.binding import (
     bind_temps,
     bind_weights,
     static_buffers,
+    static_shapes,
 )
 from stepgraph.runtime.capture import capture as capture_bin
 from stepgraph.runtime.capture import prepare_bin, warm
@@ -228,9 +229,11 @@ def load(
                          device)
     fixed.update(caches)
     symbols = {"T": width}
+    filler = InputFiller(static_shapes(graph, Storage.INPUT, bins[-1], symbols, compute),
+                         Limits(slots, blocks, block_size, width, vocab, q), device)
     bindings = Bindings(
         fixed=fixed,
-        inputs=static_buffers(graph, Storage.INPUT, bins[-1], symbols, compute, device),
+        inputs=filler.buffers,
         outputs=static_buffers(graph, Storage.OUTPUT, bins[-1], symbols, compute, device),
     )
     unknown = [name for name in keep if name not in graph.values
@@ -240,7 +243,6 @@ def load(
     kept = static_buffers(graph, Storage.TEMP, bins[-1], symbols, compute, device, set(keep))
     scale = arena_scale(graph, compute)
     arena = Arena.allocate(int(graph.meta["memory"]["arena_bytes"]), scale, device)
-    filler = InputFiller(bindings.inputs, Limits(slots, blocks, block_size, width, vocab, q))
 
     preferences = _preferences(graph, target, notes)
     use_graphs = capture and device.type == "cuda"

@@ -186,6 +186,10 @@ def interpreter_small_ops() -> None:
     for rows in (1, 3):
         check_chain(rows, "cpu", hidden=192, n1=160, n2=192, inner=96, replays=2)
         print(f"chain rows={rows}: ok")
+    for rows, tactic in ((1, (32, 16, 2, 2)), (3, (16, 16, 4, 2))):  # split gate_up and down
+        err = check_gated_mlp(rows, 96, 80, tactic, replays=2, device="cpu", k_tile=16,
+                              tol=3e-2)
+        print(f"gated mlp rows={rows} {tactic}: {err:.2e}")
 
 
 def interpreter_runtime() -> None:
@@ -382,6 +386,14 @@ def test_tune_table_round_trip(tmp_path: Path) -> None:
     assert tables.choose("projection", 64, 6288, 7168, tp=8).tactic["n_tile"] == 64
     seeded = tables.choose("projection", 8, 3648, 7168, tp=8)  # a base row, kept
     assert seeded.provider == "splitk" and "seeds 000" in seeded.reason
+    only = tmp_path / "splitk-only.yaml"
+    write_table(table_path("h200"), table_rows(results, 8, 1, source, splitk_only=True), only,
+                "TEST", "2026-01-01")
+    tables = load_tables("h200", path=only)
+    forced = tables.choose("projection", 16, 6288, 7168, tp=8)  # cuBLAS was faster alone
+    assert (forced.provider, forced.tactic["m_tile"]) == ("splitk", 128)
+    mlp = tables.choose("shared_expert", 16, 6288, 7168, tp=8)  # a gated MLP's gate_up shape
+    assert mlp.provider == "splitk"
 
 
 def test_tune_refuses_without_cuda() -> None:
@@ -481,6 +493,65 @@ def check_chain(rows: int, device: str, hidden: int = 7168, n1: int = 6288, n2: 
 def test_graph_chain_with_pdl_gpu(rows: int) -> None:
     """The chain of :func:`check_chain` at K3 shapes in a CUDA graph with PDL."""
     check_chain(rows, "cuda")
+
+
+def check_gated_mlp(rows: int, hidden: int, width: int, tactic: tuple[int, ...],
+                    replays: int = 3, device: str = "cuda", k_tile: int = 0,
+                    tol: float = TOL_BF16) -> float:
+    """The split-K gated MLP (gate_up, SiTU, down) between an rmsnorm and an add, all with
+    PDL in one CUDA graph (eager off CUDA), replayed on fresh inputs against the reference's
+    linear and gated activation in float32 on the same normed rows, rounded to BF16 where the
+    kernels store: the worst relative error (a stale intermediate or an unwritten output
+    fails). ``tol``: the interpreter's BF16 GEMMs land about one BF16 step off float32, and
+    SiTU passes that on from both halves, so its tiny shapes get a looser bound."""
+    from stepgraph.lower.ref_common import gated_activation, linear
+    from stepgraph.runtime.providers import triton_dense as td
+
+    gen = torch.Generator().manual_seed(rows + width)
+    dev = device
+    attrs = {"width": width, "activation": "situ", "beta": 4.0, "beta_linear": 25.0}
+    w_norm = (torch.rand(hidden, generator=gen) + 0.5).to(torch.bfloat16).to(dev)
+    gate_up = (torch.randn(2 * width, hidden, generator=gen) / hidden ** 0.5).to(
+        torch.bfloat16).to(dev)
+    down = (torch.randn(hidden, width, generator=gen) / width ** 0.5).to(torch.bfloat16).to(dev)
+    h = torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev)
+    normed, mlp, total = (torch.empty_like(h) for _ in range(3))
+    launches = [
+        td.rmsnorm(context(node_of("rmsnorm", 2, 1, eps=1e-5), [h, w_norm, normed], pdl=True)),
+        td._gated_mlp(context(node_of("shared_expert", 3, 1, **attrs),
+                              [normed, gate_up, down, mlp], pdl=True,
+                              tactic={**_tactic(tactic), "k_tile": k_tile})),
+        td.add(context(node_of("add", 2, 1), [h, mlp, total], pdl=True)),
+    ]
+    runner = Replayer(launches, dev)
+    worst = 0.0
+    for replay in range(replays):
+        h.copy_((torch.randn(rows, hidden, generator=gen) * (1 + replay)).to(torch.bfloat16))
+        for t in (normed, mlp, total):
+            t.fill_(float("nan"))
+        runner.replay()
+        ref_n = ref_op("rmsnorm", [h.float(), w_norm.float()], {"eps": 1e-5}, [torch.float32])[0]
+        # the reference's gated MLP in float32, rounded to BF16 where the kernels store
+        h_ref = linear(normed, gate_up, torch.float32).to(torch.bfloat16)
+        act_ref = gated_activation(h_ref[:, :width], h_ref[:, width:], attrs)
+        ref_m = linear(act_ref, down, torch.float32)
+        for name, out, ref in (("mlp", mlp, ref_m), ("add", total, h.float() + ref_m)):
+            err = rel_err(out, ref)
+            assert err < tol, (f"replay {replay} rows={rows} width={width}: {name} "
+                                    f"relative error {err:.3e}")
+            worst = max(worst, err)
+        assert rel_err(normed, ref_n) < TOL_BF16
+    return worst
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("width,tactic", [(768, (64, 8, 4, 4)), (6144, (128, 16, 2, 4)),
+                                          (6144, (64, 64, 1, 4))])
+def test_gated_mlp_splitk_gpu(width: int, tactic: tuple[int, ...]) -> None:
+    """The shared expert at K3 TP8 (768 wide) and TP1 (6144) widths, rows 1..64."""
+    worst = max(check_gated_mlp(rows, 7168, width, tactic) for rows in ROWS)
+    print(f"gated mlp {width} {tactic}: worst relative error {worst:.2e}")
 
 
 @pytest.mark.gpu

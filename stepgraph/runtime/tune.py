@@ -28,6 +28,7 @@ from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 
 PROJECTION_OPS = ("projection", "o_proj")
+GATED_MLP_OPS = ("shared_expert", "dense_mlp")
 ROTATE_BYTES = 128 << 20  # rotating inputs: at least this many weight bytes (> 2x a 50 MB L2)
 MAX_COPIES = 64
 
@@ -54,8 +55,13 @@ class Measurement:
     @property
     def best(self) -> tuple[str, tuple[int, int, int, int] | None, float]:
         """``("cublas", None, us)`` or ``("splitk", tactic, us)``, whichever is fastest."""
+        return self.choice(splitk_only=False)
+
+    def choice(self, splitk_only: bool) -> tuple[str, tuple[int, int, int, int] | None, float]:
+        """The fastest choice; with ``splitk_only`` the fastest split-K tactic (cuBLAS only
+        where no split-K tactic was measured)."""
         choice: tuple[str, tuple[int, int, int, int] | None, float] = (
-            "cublas", None, self.cublas_us)
+            "cublas", None, math.inf if splitk_only and self.splitk_us else self.cublas_us)
         for tactic, us in sorted(self.splitk_us.items()):
             if us < choice[2]:
                 choice = ("splitk", tactic, us)
@@ -63,13 +69,16 @@ class Measurement:
 
 
 def projection_shapes(graph: Graph) -> list[ProjShape]:
-    """The distinct per-rank projection shapes of a compiled graph, in graph order."""
+    """The distinct per-rank projection shapes of a compiled graph, in graph order: the
+    projections' weights and the gated MLPs' gate_up weights (the table row a gated MLP is
+    looked up by)."""
     shapes: dict[tuple[int, int], ProjShape] = {}
     for node in graph:
-        if node.op not in PROJECTION_OPS:
+        if node.op not in PROJECTION_OPS and node.op not in GATED_MLP_OPS:
             continue
         n, k = graph.values[node.inputs[1]].type.shape
-        out = graph.values[node.outputs[0]].type.dtype
+        out = (graph.values[node.inputs[0]].type.dtype if node.op in GATED_MLP_OPS
+               else graph.values[node.outputs[0]].type.dtype)
         if isinstance(n, int) and isinstance(k, int):
             shapes.setdefault((n, k), ProjShape(n, k, out))
     return list(shapes.values())
@@ -149,10 +158,10 @@ def measure(shape: ProjShape, rows: int, tactics: Iterable[tuple[int, int, int, 
     return result
 
 
-def table_rows(results: Sequence[Measurement], tp: int, q: int, source: str
-               ) -> list[dict[str, Any]]:
+def table_rows(results: Sequence[Measurement], tp: int, q: int, source: str,
+               splitk_only: bool = False) -> list[dict[str, Any]]:
     """Projection table rows (the tactic file's format) from measurements: one row per
-    shape, each bin's fastest choice."""
+    shape, each bin's fastest choice (the fastest split-K tactic with ``splitk_only``)."""
     rows: dict[tuple[int, int], dict[str, Any]] = {}
     for m in results:
         key = (m.shape.n, m.shape.k)
@@ -161,7 +170,7 @@ def table_rows(results: Sequence[Measurement], tp: int, q: int, source: str
             if q > 1:
                 match["q"] = q
             rows[key] = {"match": match, "source": source, "bins": {}}
-        provider, tactic, _ = m.best
+        provider, tactic, _ = m.choice(splitk_only)
         rows[key]["bins"][m.rows] = list(tactic) if tactic is not None else provider
     for row in rows.values():
         row["bins"] = dict(sorted(row["bins"].items()))
@@ -217,9 +226,12 @@ def require_cuda() -> torch.device:
 
 
 def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None = None,
-         quick: bool = False, show_progress: bool = True) -> list[Measurement]:
+         quick: bool = False, show_progress: bool = True, splitk_only: bool = False
+         ) -> list[Measurement]:
     """Measure the projection shapes of an artifact at ``bins`` (default: its specialized
-    bins) and write the table file ``out``; returns the measurements."""
+    bins) and write the table file ``out``; returns the measurements. ``splitk_only``: the
+    table holds the fastest split-K tactic of every shape and bin even where cuBLAS is
+    faster alone (one cuBLAS launch breaks a PDL chain on both of its sides)."""
     device = require_cuda()
     from stepgraph.artifact import load_artifact
     from stepgraph.runtime.progress import progress
@@ -246,22 +258,23 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
         for index, (shape, rows) in enumerate(jobs):
             tactics = candidate_tactics(rows, shape.k, quick)
             results.append(measure(shape, rows, tactics, device, seed=index))
-            kind, tactic, us = results[-1].best
+            kind, tactic, us = results[-1].choice(splitk_only)
             advance(1, f"{shape.n}x{shape.k} rows {rows}: {kind} {tactic or ''} {us:.1f} us")
-    label = f"measured on {gpu} {date} by stepgraph tune"
-    rows_out = table_rows(results, tp, q, label)
+    label = (f"measured on {gpu} {date} by stepgraph tune"
+             + (" (split-K only, for PDL chains)" if splitk_only else ""))
+    rows_out = table_rows(results, tp, q, label, splitk_only)
     out_path = Path(out)
     write_table(table_path(target), rows_out, out_path, label, date)
     load_tables(target, path=out_path)  # the file must load as a valid table
     return results
 
 
-def summary(results: Sequence[Measurement]) -> str:
+def summary(results: Sequence[Measurement], splitk_only: bool = False) -> str:
     """A text table: shape, rows, cuBLAS time, best split-K time and tactic, the choice."""
     lines = [f"{'shape':>16} {'rows':>4} {'cublas us':>9} {'splitk us':>9}  best tactic"]
     for m in results:
         tactic, us = min(m.splitk_us.items(), key=lambda item: item[1], default=(None, math.nan))
-        kind = m.best[0]
+        kind = m.choice(splitk_only)[0]
         lines.append(f"{m.shape.n:>7}x{m.shape.k:<8} {m.rows:>4} {m.cublas_us:>9.2f} "
                      f"{us:>9.2f}  {list(tactic) if tactic else '-'} -> {kind}")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """Triton providers of the dense ops: ``splitk`` for projection / o_proj (the split-K skinny
-GEMM with the bin's tactic), ``triton`` for rmsnorm, add, attn_res_mix, attn_res_norm and
-router.
+GEMM with the bin's tactic) and for the gated MLPs (shared_expert, dense_mlp: two split-K
+GEMMs around the gated activation, all with PDL), ``triton`` for rmsnorm, add,
+attn_res_mix, attn_res_norm and router.
 
 Each factory binds the node's tensors once and returns the prepared launch (a callable that
 enqueues the kernels, capturable); all kernels take PDL when ``ctx.pdl`` allows it. A
@@ -11,7 +12,11 @@ or wider than 32768. The kernels live in :mod:`stepgraph.runtime.kernels`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from stepgraph.runtime.kernels.activation import gated_activation
 from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, AttnResNorm, RmsNorm
+from stepgraph.runtime.kernels.launch_utils import scratch
 from stepgraph.runtime.kernels.moe import Router
 from stepgraph.runtime.kernels.splitk_gemm import SplitKGemm, SplitKTactic
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
@@ -27,6 +32,43 @@ def _projection(ctx: PrepareContext) -> Launch:
 
 register("projection", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)
 register("o_proj", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)
+
+
+def down_tactic(up: SplitKTactic, up_k: int, down_k: int) -> SplitKTactic:
+    """The down GEMM's tactic from the gate_up GEMM's (the table holds gate_up's shape): the
+    same tiles and stages, the K splits scaled by ``down_k / up_k`` (at least one)."""
+    return replace(up, split=max(1, round(up.split * down_k / up_k)))
+
+
+def _gated_mlp(ctx: PrepareContext) -> Launch:
+    """``act(x @ gate_up.T) @ down.T``: split-K gate_up with the bin's tactic, the gated
+    activation, split-K down, all with PDL; the two intermediates live in shared,
+    stream-ordered scratch buffers."""
+    x, gate_up, down = ctx.inputs()
+    (out,) = ctx.outputs()
+    if not x.dtype == gate_up.dtype == down.dtype == out.dtype:
+        raise NotImplementedError(f"node {ctx.node.name}: mixed dtypes (the cuBLAS path takes "
+                                  "them)")
+    rows, width = x.shape[0], int(ctx.node.attrs["width"])
+    up = SplitKTactic.from_mapping(ctx.tactic, rows)
+    h = scratch(x.device, "gated_mlp_h", rows * 2 * width, x.dtype)[: rows * 2 * width]
+    act = scratch(x.device, "gated_mlp_act", rows * width, x.dtype)[: rows * width]
+    h, act = h.view(rows, 2 * width), act.view(rows, width)
+    first = SplitKGemm(x, gate_up, h, up, pdl=ctx.pdl)
+    second = SplitKGemm(act, down, out, down_tactic(up, x.shape[1], width), pdl=ctx.pdl)
+    attrs = dict(ctx.node.attrs)
+
+    def launch() -> None:
+        first()
+        gated_activation(h, act, attrs, pdl=ctx.pdl)
+        second()
+
+    return launch
+
+
+for _op in ("shared_expert", "dense_mlp"):
+    register(_op, "splitk", note="split-K gate_up, gated activation, split-K down; PDL")(
+        _gated_mlp)
 
 
 @register("rmsnorm", "triton", note="one program a row, PDL")

@@ -145,13 +145,19 @@ def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
         if deltas:
             outs.append(_poisoned(rows, width, torch.bfloat16, device, pad=3))
         node = node_of("attn_res_norm", count + deltas + 3, len(outs), **attrs)
-        td.attn_res_norm(context(node, [*srcs, *extra, query, norm, weight_n, *outs],
-                                 pdl=pdl))()
+        launch = td.attn_res_norm(context(node, [*srcs, *extra, query, norm, weight_n, *outs],
+                                          pdl=pdl))
         ref = ref_op("attn_res_norm", [t.float() for t in (*srcs, *extra)]
                      + [query.float(), norm.float(), weight_n.float()], attrs,
                      [torch.float32] * len(outs))
-        for which, (got, want) in enumerate(zip(outs, ref, strict=True)):
-            errors[f"attn_res_norm[{count}+{deltas}].{which}"] = rel_err(got, want)
+        paths = ["tile", "sweeps"] if launch.one_tile else ["sweeps"]
+        for path in paths:  # the row held in registers where it fits, and the sweeps
+            launch.one_tile = path == "tile"
+            for t in outs:
+                t.fill_(float("nan"))
+            launch()
+            for which, (got, want) in enumerate(zip(outs, ref, strict=True)):
+                errors[f"attn_res_norm[{count}+{deltas}].{path}.{which}"] = rel_err(got, want)
     bad = {name: e for name, e in errors.items() if not e < TOL_BF16}
     assert not bad, f"small ops rows={rows} width={width} pdl={pdl}: errors {bad} (NaN: unwritten)"
     return errors
@@ -293,7 +299,9 @@ def sm90_small_ops() -> None:
                     AttnResMix([x] * 24, w, w, _meta(64, width), 1e-6),
                     AttnResNorm([x] * 9, [x, x], w, w, w, _meta(64, width), _meta(64, width),
                                 1e-6, 1e-5),
-                    AttnResNorm([x] * 3, [], w, w, w, _meta(64, width), None, 1e-6, 1e-5)]
+                    AttnResNorm([x] * 3, [], w, w, w, _meta(64, width), None, 1e-6, 1e-5),
+                    AttnResNorm([x] * 3, [x], w, w, w, _meta(64, width), _meta(64, width),
+                                1e-6, 1e-5)]  # K3's 3-source mix: the one-tile kernel
         for launch in launches:
             launch.pdl = True
             for c in sm90_compiles(launch):

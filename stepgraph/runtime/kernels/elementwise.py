@@ -24,6 +24,8 @@ FUSED_CHUNK = 2048  # the most columns a sweep of the fused mix + norm covers at
 FUSED_TILE = 8192  # sources x columns of its accumulator tiles (32 registers a thread)
 FUSED_WARPS = 8
 FUSED_STAGES = 3  # chunks of the sweeps' loads in flight (Triton's loop pipelining)
+ROW_TILE = 32768  # sources x columns the one-tile fused kernel holds (64 registers a thread)
+ROW_WARPS = 16
 
 
 def _warps(block: int) -> int:
@@ -191,6 +193,50 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
                  mask=mask)
 
 
+@triton.jit
+def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
+                         prefix_ptr, H, stride_or, stride_pr, eps, norm_eps,
+                         N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row of the fused AttnRes step held whole in registers (an [S_PAD, BLOCK] tile of
+    the sources): each source read once, the prefix and the normed mix written once, no
+    sweep rereads the row. The same roundings as :func:`_mix_norm_kernel` (the prefix and the
+    mix in their stored dtypes)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    sel = tl.arange(0, S_PAD)[:, None]
+    nq = (tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+          * tl.load(n_ptr + cols, mask=mask, other=0.0).to(tl.float32))
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + cols, mask=mask,
+                   other=0.0).to(tl.float32)
+    if N_DELTA > 0:
+        for j in tl.static_range(N_DELTA):
+            d = tl.load(deltas[j] + row * delta_strides[j] + cols, mask=mask, other=0.0)
+            last += d.to(tl.float32)
+        stored = last.to(prefix_ptr.dtype.element_ty)
+        tl.store(prefix_ptr + row * stride_pr + cols, stored, mask=mask)
+        last = stored.to(tl.float32)
+    vals = tl.where(sel == N_SRC - 1, last[None, :], 0.0)
+    for i in tl.static_range(N_SRC - 1):
+        v = tl.load(srcs[i] + row * strides[i] + cols, mask=mask, other=0.0).to(tl.float32)
+        vals = tl.where(sel == i, v[None, :], vals)
+    dots = tl.sum(vals * nq[None, :], 1)
+    squares = tl.sum(vals * vals, 1)
+    idx = tl.arange(0, S_PAD)
+    logits = tl.where(idx < N_SRC, dots * tl.rsqrt(squares / H + eps), float("-inf"))
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    mixed = tl.sum(vals * p[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(mixed * mixed, 0) / H + norm_eps)
+    tl.store(out_ptr + row * stride_or + cols, (mixed * scale * w).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
 def _rows_of(name: str, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     for t in tensors:
         if t.dim() != 2 or tuple(t.shape) != tuple(out.shape):
@@ -292,12 +338,14 @@ class AttnResNorm:
     """A prepared fused AttnRes step (the fuse pass's ``attn_res_norm``): ``prefix = last +
     sum(deltas)`` written to ``prefix`` (when there are deltas), the mix of ``sources[:-1]``
     and that prefix with ``query`` and ``mix_norm``, then RMSNorm with ``weight`` into
-    ``out``. One launch, one program a row sweeping it in column chunks."""
+    ``out``. One launch, one program a row: the whole row in registers where the sources x
+    columns fit :data:`ROW_TILE` (K3: 2 or 3 sources of 7168), else three sweeps in column
+    chunks (``one_tile=False`` forces the sweeps)."""
 
     def __init__(self, sources: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
                  query: torch.Tensor, mix_norm: torch.Tensor, weight: torch.Tensor,
                  out: torch.Tensor, prefix: torch.Tensor | None, eps: float, norm_eps: float,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, one_tile: bool = True) -> None:
         if not 1 <= len(sources) <= MAX_SOURCES or len(deltas) > MAX_SOURCES:
             raise NotImplementedError(f"attn_res_norm: {len(sources)} sources, {len(deltas)} "
                                       f"deltas (1..{MAX_SOURCES} each)")
@@ -319,6 +367,8 @@ class AttnResNorm:
         self.eps, self.norm_eps = float(eps), float(norm_eps)
         self.s_pad = max(2, next_pow2(len(sources)))
         self.chunk = min(FUSED_CHUNK, next_pow2(width), FUSED_TILE // self.s_pad)
+        self.block = next_pow2(width)
+        self.one_tile = one_tile and self.s_pad * self.block <= ROW_TILE
         self.probs = scratch(out.device, "attn_res_probs", out.shape[0] * self.s_pad,
                              torch.float32)
         self.pdl = pdl_allowed(pdl, out.device)
@@ -327,6 +377,14 @@ class AttnResNorm:
         """Enqueue the launch."""
         rows, width = self.out.shape
         if rows == 0:
+            return
+        if self.one_tile:
+            _mix_norm_row_kernel[(rows,)](
+                self.sources, self.strides, self.deltas, self.delta_strides, self.query,
+                self.mix_norm, self.weight, self.out, self.prefix, width,
+                self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps,
+                N_SRC=len(self.sources), N_DELTA=self.n_delta, S_PAD=self.s_pad,
+                BLOCK=self.block, USE_PDL=self.pdl, num_warps=ROW_WARPS, launch_pdl=self.pdl)
             return
         _mix_norm_kernel[(rows,)](
             self.sources, self.strides, self.deltas, self.delta_strides, self.query,

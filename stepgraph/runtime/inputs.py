@@ -168,11 +168,6 @@ class InputFiller:
         self.copied = [torch.cuda.Event() if pinned else None for _ in range(count)]
         self.turn = 0
 
-    def padding(self, name: str, rows: int) -> np.ndarray:
-        """The host array of input ``name`` for ``rows`` padding rows."""
-        place = self.layout[name]
-        return np.full((rows, *place.shape[1:]), self._fill_value(name), dtype=place.np_dtype)
-
     def _fill_value(self, name: str) -> int:
         return {"kda_state_indices": self.limits.slots, "num_accepted_tokens": 1,
                 "slot_mapping": -1}.get(name, 0)

@@ -117,6 +117,23 @@ def _mix_sum_kernel(srcs, strides, logits_ptr, out_ptr, H, stride_or,
 
 
 @triton.jit
+def _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr, offs, mask,
+                N_SRC: tl.constexpr, N_DELTA: tl.constexpr):
+    """Columns ``offs`` of the row's last source plus its deltas, in float32: with deltas the
+    sum is stored to ``prefix`` in its dtype and returned as stored; else the last source."""
+    last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + offs, mask=mask,
+                   other=0.0).to(tl.float32)
+    if N_DELTA > 0:
+        for j in tl.static_range(N_DELTA):
+            d = tl.load(deltas[j] + row * delta_strides[j] + offs, mask=mask, other=0.0)
+            last += d.to(tl.float32)
+        stored = last.to(prefix_ptr.dtype.element_ty)
+        tl.store(prefix_ptr + row * stride_pr + offs, stored, mask=mask)
+        last = stored.to(tl.float32)
+    return last
+
+
+@triton.jit
 def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
                      prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps,
                      N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
@@ -144,15 +161,8 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
         mask = offs < H
         nq = (tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
               * tl.load(n_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-        last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + offs, mask=mask,
-                       other=0.0).to(tl.float32)
-        if N_DELTA > 0:
-            for j in tl.static_range(N_DELTA):
-                d = tl.load(deltas[j] + row * delta_strides[j] + offs, mask=mask, other=0.0)
-                last += d.to(tl.float32)
-            stored = last.to(prefix_ptr.dtype.element_ty)
-            tl.store(prefix_ptr + row * stride_pr + offs, stored, mask=mask)
-            last = stored.to(tl.float32)
+        last = _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr,
+                           offs, mask, N_SRC, N_DELTA)
         dot2 += tl.where(sel == N_SRC - 1, last * nq, 0.0)
         square2 += tl.where(sel == N_SRC - 1, last * last, 0.0)
         for i in tl.static_range(N_SRC - 1):
@@ -212,15 +222,8 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + cols, mask=mask,
-                   other=0.0).to(tl.float32)
-    if N_DELTA > 0:
-        for j in tl.static_range(N_DELTA):
-            d = tl.load(deltas[j] + row * delta_strides[j] + cols, mask=mask, other=0.0)
-            last += d.to(tl.float32)
-        stored = last.to(prefix_ptr.dtype.element_ty)
-        tl.store(prefix_ptr + row * stride_pr + cols, stored, mask=mask)
-        last = stored.to(tl.float32)
+    last = _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr, cols,
+                       mask, N_SRC, N_DELTA)
     vals = tl.where(sel == N_SRC - 1, last[None, :], 0.0)
     for i in tl.static_range(N_SRC - 1):
         v = tl.load(srcs[i] + row * strides[i] + cols, mask=mask, other=0.0).to(tl.float32)

@@ -32,7 +32,7 @@ from stepgraph.ir.graph import Graph  # noqa: E402
 from stepgraph.ir.types import Storage, eval_dim  # noqa: E402
 from stepgraph.lower.decode import DecodeRunner  # noqa: E402
 from stepgraph.lower.weights import random_weights  # noqa: E402
-from stepgraph.runtime import StepInputs, load  # noqa: E402
+from stepgraph.runtime import CompiledStep, StepInputs, load  # noqa: E402
 from stepgraph.runtime.decode import CompiledDecodeRunner  # noqa: E402
 from stepgraph.spec_loader import load_spec, override_deployment, parse_spec_text  # noqa: E402
 
@@ -141,13 +141,18 @@ def test_tiny_decode_bf16_plan_providers_matches_the_reference(name) -> None:
     assert ok and not failures, "\n".join([summary, *failures[:10]])
 
 
-def test_replays_of_one_step_agree() -> None:
-    """The same inputs on the same caches, replayed 100 times, give the same logits."""
+def tiny_step_with_random_caches() -> tuple[CompiledStep, dict[str, torch.Tensor]]:
+    """tiny_k3 loaded in BF16 with N(0, 1) caches, and a copy of those caches."""
     step = load(tiny_graph("tiny_k3"), weights="random", device="cuda", dtype="bfloat16",
                 progress=False, allow_target_mismatch=not on_h200())
     for cache in step.caches.values():
         cache.normal_()
-    saved = {n: c.clone() for n, c in step.caches.items()}
+    return step, {n: c.clone() for n, c in step.caches.items()}
+
+
+def test_replays_of_one_step_agree() -> None:
+    """The same inputs on the same caches, replayed 100 times, give the same logits."""
+    step, saved = tiny_step_with_random_caches()
     rows = 5
     inputs = StepInputs(tokens=[3, 1, 4, 1, 5], positions=[7] * rows,
                         kda_state_indices=list(range(rows)),
@@ -169,11 +174,7 @@ def test_steps_queued_ahead_of_the_gpu_keep_their_own_inputs() -> None:
     steps (the input copies are asynchronous, from pinned mirrors), and a burst of steps
     longer than the mirrors, queued without waiting, gives each step the logits it gives
     when every step is waited for."""
-    step = load(tiny_graph("tiny_k3"), weights="random", device="cuda", dtype="bfloat16",
-                progress=False, allow_target_mismatch=not on_h200())
-    for cache in step.caches.values():
-        cache.normal_()
-    saved = {n: c.clone() for n, c in step.caches.items()}
+    step, saved = tiny_step_with_random_caches()
     rows = 3
     gen = torch.Generator().manual_seed(11)
     burst = [StepInputs(tokens=torch.randint(0, 256, (rows,), generator=gen).tolist(),

@@ -1,8 +1,10 @@
 """Measure the projection tactic table on the GPU: for every distinct projection shape of an
-artifact (the per-rank ``(N, K)`` of its projection / o_proj weights) and every bin, time
-cuBLAS and a small grid of split-K tactics, and write a tactic table file (the format of
+artifact (the per-rank ``(N, K)`` of its projection / o_proj weights and of its gated MLPs'
+gate_up weights, by which those are looked up) and every bin, time cuBLAS and a small grid of
+split-K tactics, and write a tactic table file (the format of
 ``stepgraph/data/tactics/<target>.yaml``) whose projection rows hold the fastest choice per
-bin, each row's ``source`` saying where and when it was measured.
+bin (with ``splitk_only``: the fastest split-K tactic, for steps run as one PDL chain), each
+row's ``source`` saying where and when it was measured.
 
 Timing: each candidate runs as a CUDA graph of back-to-back launches (split-K with PDL, as
 the runtime launches it) over rotating copies of the weight and activations (more bytes than
@@ -52,14 +54,9 @@ class Measurement:
     cublas_us: float
     splitk_us: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
 
-    @property
-    def best(self) -> tuple[str, tuple[int, int, int, int] | None, float]:
-        """``("cublas", None, us)`` or ``("splitk", tactic, us)``, whichever is fastest."""
-        return self.choice(splitk_only=False)
-
     def choice(self, splitk_only: bool) -> tuple[str, tuple[int, int, int, int] | None, float]:
-        """The fastest choice; with ``splitk_only`` the fastest split-K tactic (cuBLAS only
-        where no split-K tactic was measured)."""
+        """``("cublas", None, us)`` or ``("splitk", tactic, us)``, whichever is fastest; with
+        ``splitk_only`` the fastest split-K tactic (cuBLAS only where none was measured)."""
         choice: tuple[str, tuple[int, int, int, int] | None, float] = (
             "cublas", None, math.inf if splitk_only and self.splitk_us else self.cublas_us)
         for tactic, us in sorted(self.splitk_us.items()):

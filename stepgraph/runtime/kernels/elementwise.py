@@ -381,17 +381,14 @@ class AttnResNorm:
         rows, width = self.out.shape
         if rows == 0:
             return
+        rows_in = (self.sources, self.strides, self.deltas, self.delta_strides, self.query,
+                   self.mix_norm, self.weight, self.out, self.prefix)
+        sizes = (width, self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps)
+        shape = dict(N_SRC=len(self.sources), N_DELTA=self.n_delta, S_PAD=self.s_pad,
+                     USE_PDL=self.pdl, launch_pdl=self.pdl)
         if self.one_tile:
-            _mix_norm_row_kernel[(rows,)](
-                self.sources, self.strides, self.deltas, self.delta_strides, self.query,
-                self.mix_norm, self.weight, self.out, self.prefix, width,
-                self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps,
-                N_SRC=len(self.sources), N_DELTA=self.n_delta, S_PAD=self.s_pad,
-                BLOCK=self.block, USE_PDL=self.pdl, num_warps=ROW_WARPS, launch_pdl=self.pdl)
-            return
-        _mix_norm_kernel[(rows,)](
-            self.sources, self.strides, self.deltas, self.delta_strides, self.query,
-            self.mix_norm, self.weight, self.out, self.prefix, self.probs, width,
-            self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps,
-            N_SRC=len(self.sources), N_DELTA=self.n_delta, S_PAD=self.s_pad, CHUNK=self.chunk,
-            USE_PDL=self.pdl, STAGES=FUSED_STAGES, num_warps=FUSED_WARPS, launch_pdl=self.pdl)
+            _mix_norm_row_kernel[(rows,)](*rows_in, *sizes, BLOCK=self.block,
+                                          num_warps=ROW_WARPS, **shape)
+        else:
+            _mix_norm_kernel[(rows,)](*rows_in, self.probs, *sizes, CHUNK=self.chunk,
+                                      STAGES=FUSED_STAGES, num_warps=FUSED_WARPS, **shape)

@@ -51,9 +51,8 @@ def _gated_mlp(ctx: PrepareContext) -> Launch:
                                   "them)")
     rows, width = x.shape[0], int(ctx.node.attrs["width"])
     up = SplitKTactic.from_mapping(ctx.tactic, rows)
-    h = scratch(x.device, "gated_mlp_h", rows * 2 * width, x.dtype)[: rows * 2 * width]
-    act = scratch(x.device, "gated_mlp_act", rows * width, x.dtype)[: rows * width]
-    h, act = h.view(rows, 2 * width), act.view(rows, width)
+    h = scratch(x.device, "gated_mlp_h", rows * 2 * width, x.dtype).view(rows, 2 * width)
+    act = scratch(x.device, "gated_mlp_act", rows * width, x.dtype).view(rows, width)
     first = SplitKGemm(x, gate_up, h, up, pdl=ctx.pdl)
     second = SplitKGemm(act, down, out, down_tactic(up, x.shape[1], width), pdl=ctx.pdl)
     attrs = dict(ctx.node.attrs)

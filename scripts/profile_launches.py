@@ -34,6 +34,26 @@ def _median_us(run, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _print_exposed(prof: profile, rounds: int) -> None:
+    """Per kernel name, the time each launch adds to the chain: its end minus the latest end
+    before it (PDL kernels start early and wait, so their own durations overlap)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    exposed: dict[str, float] = defaultdict(float)
+    idle = 0.0
+    latest = spans[0][0] if spans else 0.0
+    for start, end, name in spans:
+        if start > latest:
+            idle += start - latest
+        exposed[name] += max(0.0, end - max(latest, start))
+        latest = max(latest, end)
+    total = sum(exposed.values()) / rounds
+    print(f"exposed (end minus the latest end before it), {total:.1f} us a replay, plus "
+          f"{idle / rounds:.1f} us with no kernel running (between replays included):")
+    for name, us in sorted(exposed.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"  {name:<62} {us / rounds:>10.1f}")
+
+
 def main() -> int:
     """Profile bins of an artifact."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -72,6 +92,7 @@ def main() -> int:
         for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:30]:
             print(f"{name:<62} {len(times) / rounds:>5.0f} {sum(times) / rounds:>10.1f} "
                   f"{sum(times) / len(times):>8.2f}")
+        _print_exposed(prof, rounds)
     return 0
 
 

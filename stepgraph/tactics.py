@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
@@ -60,9 +60,14 @@ class PdlRule(_Strict):
 
 
 class PrefetchRule(_Strict):
-    """The byte budget of one L2 prefetch fork."""
+    """Where the pdl pass forks L2 prefetches and how many bytes one warms: ``rule``
+    ``seeds`` (the seeds' two fork points a layer, warming the MLP's weights) or
+    ``next_weights`` (after each weight-streaming launch followed by small ones, warming the
+    next streaming launch's weights; ``stream_min_bytes`` makes a launch streaming)."""
 
     fork_budget_bytes: int
+    rule: Literal["seeds", "next_weights"] = "seeds"
+    stream_min_bytes: int = 4194304
     source: str
 
 
@@ -246,6 +251,11 @@ class TacticTables:
     def fork_budget_bytes(self) -> int:
         """The most bytes one L2 prefetch fork warms."""
         return self.data.prefetch.fork_budget_bytes
+
+    @property
+    def prefetch(self) -> PrefetchRule:
+        """Where prefetch forks go and how many bytes they warm."""
+        return self.data.prefetch
 
     def choose(self, op: str, rows: int, n: int | None = None, k: int | None = None,
                tp: int = 1, q: int = 1) -> Choice:

@@ -1,4 +1,5 @@
-"""Shared fixtures: the repository's spec files and a runner for the CLI."""
+"""Shared fixtures: the repository's spec files, a runner for the CLI, and H200 tactic tables
+with the L2 prefetch forks turned on (the shipped H200 table turns them off)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -27,3 +29,13 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
         cwd=cwd or ROOT,
         timeout=300,
     )
+
+
+def fork_tables(directory: Path, budget: int = 16 << 20, rule: str = "seeds") -> Path:
+    """A copy of the H200 tactic tables in ``directory`` whose pdl pass inserts L2 prefetch
+    forks (``budget`` bytes a fork, fork ``rule``); returns its path."""
+    data = yaml.safe_load((ROOT / "stepgraph/data/tactics/h200.yaml").read_text())
+    data["prefetch"].update(fork_budget_bytes=budget, rule=rule)
+    path = directory / f"h200-forks-{rule}-{budget}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path

@@ -22,7 +22,7 @@ from stepgraph.ir.nodes import Node
 from stepgraph.ir.types import Storage, TensorType
 from stepgraph.ir.values import Value
 from stepgraph.spec_loader import load_spec
-from tests.conftest import MODELS, ROOT
+from tests.conftest import MODELS, ROOT, fork_tables
 
 
 def _graph(*values: Value, nodes: tuple[Node, ...]) -> Graph:
@@ -106,8 +106,10 @@ def test_floor_us_is_bytes_over_bandwidth() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Graph:
-    graph, _ = compile_graph(load_spec(MODELS / "tiny_k3.yaml"))
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Graph:
+    spec = load_spec(MODELS / "tiny_k3.yaml")
+    tables = fork_tables(tmp_path_factory.mktemp("tables"))  # with prefetch forks to count
+    graph, _ = compile_graph(spec, spec.deployment, tables_path=tables)
     return graph
 
 

@@ -183,6 +183,9 @@ def interpreter_projection() -> None:
         print(f"projection rows={rows} n={n} k={k} {t} {dtype}: {err:.2e}")
     err = check_projection(4, 40, 64, {}, torch.bfloat16, "cpu", seed=9)  # empty tactic
     print(f"projection default tactic: {err:.2e}")
+    tactic = {**_tactic((32, 16, 3, 2)), "k_tile": 32, "fused": 0}  # a reduction launch
+    err = check_projection(3, 50, 200, tactic, torch.bfloat16, "cpu", seed=10)
+    print(f"projection with a reduction launch: {err:.2e}")
 
 
 def interpreter_small_ops() -> None:

@@ -281,10 +281,12 @@ def test_kda_kernels_compile_for_h200() -> None:
                 accepted_ptr=i32, qn_ptr=f32, kn_ptr=f32, vo_ptr=f32, g_ptr=f32, beta_ptr=f32,
                 fla_slots_ptr=i32, fla_accepted_ptr=i32, scratch_slot="i32",
                 lower_bound="fp32")
-    for q_len, lower, fla in ((1, True, False), (2, False, True)):
+    for q_len, lower, fla, fb_pre in ((1, True, False, True), (1, True, False, False),
+                                      (2, False, True, False)):
         out = compile_for_h200(kda._kda_prep_kernel, prep, dict(
-            H=96, D=128, BD=128, KS=4, KW=4, RANK=128, BR=32, Q=q_len, LOWER_BOUND=lower,
-            GATE=not fla, FLA=fla, USE_PDL=True), num_warps=4)
+            H=96, D=128, BD=128, KS=4, KW=4, KSP=4, RANK=128, BR=128 if fb_pre else 32,
+            Q=q_len, LOWER_BOUND=lower, GATE=not fla, FB_PRE=fb_pre, FLA=fla, USE_PDL=True),
+            num_warps=8 if fb_pre else 4)
         assert "griddepcontrol.wait" in out["ptx"]
     gate = dict(fa_ptr=bf16, fa_stride="i32", fb_ptr=bf16, dt_ptr=f32, alog_ptr=f32,
                 g_ptr=f32, rows="i32", lower_bound="fp32")

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stepgraph.compiler import compile_graph
 from stepgraph.frontend import build_step
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node, Placement
@@ -20,18 +21,14 @@ from stepgraph.passes.pdl import Pdl
 from stepgraph.spec import Deployment
 from stepgraph.spec_loader import load_spec
 from stepgraph.tactics import TABLES_DIR, load_tables
-from tests.conftest import MODELS
+from tests.conftest import MODELS, fork_tables
 
 # H200 SMs (132, datasheet) x two tiles before the wait (seeds 000) x a 128 x 64 BF16 tile.
 PRE_WAIT_CAP = 132 * 2 * 128 * 64 * 2
 
 
-def _tables(tmp_path: Path, budget: int) -> object:
-    data = yaml.safe_load((TABLES_DIR / "h200.yaml").read_text())
-    data["prefetch"]["fork_budget_bytes"] = budget
-    path = tmp_path / "h200.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_tables("h200", path)
+def _tables(tmp_path: Path, budget: int = 16 << 20, rule: str = "seeds") -> object:
+    return load_tables("h200", fork_tables(tmp_path, budget, rule))
 
 
 def _compiled(name: str, passes: list, tables=None, **deployment) -> Graph:
@@ -128,6 +125,7 @@ def test_routed_experts_load_no_expert_weights_before_the_wait(tmp_path: Path) -
 def test_stock_bins_are_listed_off(tmp_path: Path) -> None:
     data = yaml.safe_load((TABLES_DIR / "h200.yaml").read_text())
     data["caps"]["mla"]["rows"] = data["caps"]["mla"]["dcp_rows"] = 4
+    data["prefetch"]["fork_budget_bytes"] = 4096
     path = tmp_path / "h200.yaml"
     path.write_text(yaml.safe_dump(data))
     graph = _compiled("tiny_k3.yaml", [Bin(), Pdl()], load_tables("h200", path),
@@ -174,8 +172,8 @@ def test_forks_warm_the_mlp_weights_in_launch_order(tmp_path: Path) -> None:
     assert graph.meta["pdl"][second.name]["pdl"] is False
 
 
-def test_k3_forks_fill_their_budget() -> None:
-    graph = _compiled("kimi_k3.yaml", [Bin(), Pdl()])
+def test_k3_forks_fill_their_budget(tmp_path: Path) -> None:
+    graph = _compiled("kimi_k3.yaml", [Bin(), Pdl()], _tables(tmp_path))
     forks = [n for n in graph if n.op == "prefetch"]
     assert len(forks) == 2 * 93
     fork = graph.node("l4.prefetch_attention_moe")
@@ -184,11 +182,50 @@ def test_k3_forks_fill_their_budget() -> None:
     assert fork.attrs["target"] == "l4.router_logits"
 
 
+def test_the_h200_table_inserts_no_forks() -> None:
+    """The shipped H200 table turns the forks off (measured slower, docs/perf.md): the pass
+    inserts none and records the zero budget."""
+    graph = _compiled("kimi_k3.yaml", [Bin(), Pdl()])
+    assert not [n for n in graph if n.op == "prefetch"]
+    assert graph.meta["pdl_config"]["fork_budget_bytes"] == 0
+
+
+def test_next_weights_forks_warm_the_next_streaming_launch(tmp_path: Path) -> None:
+    """``next_weights``: a fork right after each weight-streaming launch that small launches
+    follow, warming the next streaming launch's first weight bytes; never the routed experts
+    (the router has not chosen them), never two streaming launches in a row."""
+    budget = 16 << 20
+    spec = load_spec(MODELS / "kimi_k3.yaml")
+    graph, _ = compile_graph(spec, spec.deployment,
+                             tables_path=fork_tables(tmp_path, budget, "next_weights"))
+    order = list(graph)
+    forks = [i for i, n in enumerate(order) if n.op == "prefetch"]
+    assert forks
+    for i in forks:
+        fork, before = order[i], order[i - 1]
+        target = graph.node(fork.attrs["target"])
+        assert fork.attrs["fork"] == "next_weights" and fork.attrs["bytes"] <= budget
+        assert target.op != "routed_experts"
+        assert set(fork.inputs) <= set(target.inputs)
+        assert graph.meta["pdl"][fork.name]["pdl"] is False
+        # between the launch before the fork and the target: only small launches
+        between = order[i + 1: order.index(target)]
+        assert between and all(n.op != "prefetch" for n in between)
+        assert before.op in ("projection", "o_proj", "shared_expert", "routed_experts",
+                             "dense_mlp", "mla_query", "mla_value", "lm_head")
+    # K3 layer 4 (KDA, MoE): the KDA core runs between the packed in_proj and o_proj, so
+    # o_proj's first 16 MiB are warmed right after in_proj
+    warm = graph.node("l4.o_proj.prefetch")
+    assert order[order.index(warm) - 1].name == "l4.in_proj"
+    assert warm.inputs == ("layers.4.self_attn.o_proj",)
+    assert warm.attrs["weight_bytes"] == [budget] and warm.attrs["weight_offsets"] == [0]
+
+
 # ----------------------------------------------------------------------------- ablation
 
 
-def test_disabled_pass_leaves_a_valid_graph_that_says_so() -> None:
-    on = _compiled("tiny_k3.yaml", [Bin(), Pdl()])
+def test_disabled_pass_leaves_a_valid_graph_that_says_so(tmp_path: Path) -> None:
+    on = _compiled("tiny_k3.yaml", [Bin(), Pdl()], _tables(tmp_path))
     off = _compiled("tiny_k3.yaml", [Bin(), Pdl(enabled=False)])
     verify(off)
     assert not [n for n in off if n.op == "prefetch"]
@@ -200,10 +237,12 @@ def test_disabled_pass_leaves_a_valid_graph_that_says_so() -> None:
     assert any(m["pdl"] for m in on.meta["pdl"].values())
 
 
-def test_rerunning_replaces_forks_and_disabling_removes_them() -> None:
+def test_rerunning_replaces_forks_and_disabling_removes_them(tmp_path: Path) -> None:
     spec = load_spec(MODELS / "tiny_k3.yaml")
-    ctx = CompileContext(spec.model, spec.deployment)
-    once = _compiled("tiny_k3.yaml", [Bin(), Pdl()])
+    tables = _tables(tmp_path)
+    ctx = CompileContext(spec.model, spec.deployment, {"tactics": tables})
+    once = _compiled("tiny_k3.yaml", [Bin(), Pdl()], tables)
+    assert [n for n in once if n.op == "prefetch"]
     twice = Pdl().run(once, ctx).graph
     assert [n.name for n in twice] == [n.name for n in once]
     assert twice.meta["pdl"] == once.meta["pdl"]
@@ -212,8 +251,8 @@ def test_rerunning_replaces_forks_and_disabling_removes_them() -> None:
     assert not [n for n in off.meta["decisions"] if "prefetch" in n]
 
 
-def test_prefetch_option_off_keeps_the_marks() -> None:
-    graph = _compiled("tiny_k3.yaml", [Bin(), Pdl(prefetch=False)])
+def test_prefetch_option_off_keeps_the_marks(tmp_path: Path) -> None:
+    graph = _compiled("tiny_k3.yaml", [Bin(), Pdl(prefetch=False)], _tables(tmp_path))
     assert not [n for n in graph if n.op == "prefetch"]
     assert any(m["pdl"] for m in graph.meta["pdl"].values())
 

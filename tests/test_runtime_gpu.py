@@ -23,7 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import MODELS  # noqa: E402
+from conftest import MODELS, fork_tables  # noqa: E402
 from test_runtime import relative_error, run_against_reference  # noqa: E402
 
 from stepgraph.compiler import compile_graph  # noqa: E402
@@ -206,6 +206,39 @@ def test_steps_queued_ahead_of_the_gpu_keep_their_own_inputs() -> None:
         err = relative_error(a, b)
         assert err < 1e-3, f"step {t}: queued differs from waited by {err:.3e}"
     assert relative_error(waited[0], waited[1]) > 1e-2  # the steps differ from each other
+
+
+@pytest.mark.parametrize("rule", ["seeds", "next_weights"])
+def test_prefetch_forks_on_the_side_stream_change_no_logit(rule: str, tmp_path) -> None:
+    """tiny_k3 compiled with L2 prefetch forks (the l2_prefetch provider forks them onto a
+    side stream inside the CUDA graph) gives the same logits, bit for bit, as without forks,
+    over replays of every bin."""
+    spec = load_spec(MODELS / "tiny_k3.yaml")
+    deployment = override_deployment(spec.deployment, target="h200")
+    plain, _ = compile_graph(spec, deployment)
+    forked, _ = compile_graph(spec, deployment, tables_path=fork_tables(tmp_path, 4096, rule))
+    assert not [n for n in plain if n.op == "prefetch"]
+    assert [n for n in forked if n.op == "prefetch"]
+    steps = [load(graph, weights="random", device="cuda", dtype="bfloat16", progress=False,
+                  allow_target_mismatch=not on_h200()) for graph in (plain, forked)]
+    assert {c.provider for c in steps[1].choices() if c.op == "prefetch"} == {"l2_prefetch"}
+    gen = torch.Generator().manual_seed(3)
+    caches = {n: torch.randn(c.shape, generator=gen).to(c.dtype)
+              for n, c in steps[0].caches.items()}
+    for rows in (1, 3, 5, 2):
+        inputs = StepInputs(tokens=torch.randint(0, 256, (rows,), generator=gen).tolist(),
+                            positions=[9] * rows, kda_state_indices=list(range(rows)),
+                            block_tables=[[r, r + 8] for r in range(rows)],
+                            seq_lens=[10] * rows, slot_mapping=[r * 64 + 9 for r in range(rows)])
+        outs = []
+        for step in steps:
+            for name, cache in step.caches.items():
+                cache.copy_(caches[name])
+            for _ in range(3):
+                out = step.step(inputs)
+            outs.append(out)
+        assert torch.isfinite(outs[0]).all()
+        assert torch.equal(outs[0], outs[1]), f"{rows} rows: the forks changed the logits"
 
 
 def test_other_targets_are_refused_on_the_gpu() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,21 +16,23 @@ from stepgraph.passes.bin import Bin
 from stepgraph.passes.manager import CompileContext, run_pipeline
 from stepgraph.passes.pdl import Pdl
 from stepgraph.spec_loader import load_spec
+from stepgraph.tactics import load_tables
 from stepgraph.trace import chrome_trace, trace_json
-from tests.conftest import MODELS
+from tests.conftest import MODELS, fork_tables
 
 
-def _graph(name: str, pdl: bool = True) -> Graph:
+def _graph(name: str, pdl: bool = True, tables: Path | None = None) -> Graph:
     spec = load_spec(MODELS / name)
-    ctx = CompileContext(spec.model, spec.deployment)
+    data = {"tactics": load_tables("h200", tables)} if tables else {}
+    ctx = CompileContext(spec.model, spec.deployment, data)
     graph, _ = run_pipeline(build_step(spec.model, spec.deployment), [Bin(), Pdl(enabled=pdl)],
                             ctx)
     return graph
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Graph:
-    return _graph("tiny_k3.yaml")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Graph:
+    return _graph("tiny_k3.yaml", tables=fork_tables(tmp_path_factory.mktemp("tables")))
 
 
 def _slices(trace: dict) -> list[dict]:

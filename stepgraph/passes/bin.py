@@ -75,11 +75,13 @@ def rows_dim(graph: Graph, node: Node) -> str | None:
 
 
 def matmul_shape(graph: Graph, node: Node) -> tuple[int | None, int | None]:
-    """(N, K) of the node's first two-dimensional weight (per rank), or (None, None)."""
+    """(N, K) of the node's first two-dimensional weight (per rank); for routed experts, of
+    one expert's matrix in the stacked gate_up weight [E, N, K]; else (None, None)."""
+    dims = 3 if node.op == "routed_experts" else 2
     for name in node.inputs:
         value = graph.values[name]
-        if value.storage is Storage.WEIGHT and len(value.type.shape) == 2:
-            n, k = value.type.shape
+        if value.storage is Storage.WEIGHT and len(value.type.shape) == dims:
+            n, k = value.type.shape[-2:]
             if isinstance(n, int) and isinstance(k, int):
                 return n, k
     return None, None

@@ -38,6 +38,7 @@ PDL, no fork is inserted, and every entry says the pass is disabled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, ClassVar
 
 from stepgraph.ir.graph import Graph
@@ -51,6 +52,7 @@ from stepgraph.tactics import TacticTables
 CORE_OPS = ("kda_core", "mla_core", "dsa_core")
 FORK_ATTENTION = "attention_moe"
 FORK_OPROJ = "oproj_down"
+FORK_NEXT = "next_weights"
 DISABLED = "pdl pass disabled (ablation): launched without PDL"
 _NONE: dict[str, Any] = {}  # the decisions of a node the bin pass did not see
 
@@ -62,9 +64,14 @@ def is_collective(node: Node) -> bool:
 
 
 def selected_weights(node: Node) -> set[str]:
-    """Weights whose bytes read depend on the predecessor's output (routed experts' stacked
-    weights: the router picks the experts)."""
-    return set(node.inputs[3:]) if node.op == "routed_experts" else set()
+    """Weights of which a launch reads only the parts its data selects: routed experts'
+    stacked weights (the router picks the experts) and the embedding table (the tokens pick
+    its rows)."""
+    if node.op == "routed_experts":
+        return set(node.inputs[3:])
+    if node.op == "embed":
+        return set(node.inputs)
+    return set()
 
 
 def pre_wait_bytes(graph: Graph, node: Node, cap: int,
@@ -123,9 +130,10 @@ def _take(queue: list[Slice], budget: int) -> list[Slice]:
     return taken
 
 
-def _fork_node(layer: int, fork: str, taken: list[Slice], unit: str) -> Node:
+def _fork_node(layer: int | None, fork: str, taken: list[Slice], unit: str | None,
+               name: str | None = None) -> Node:
     return Node(
-        name=f"l{layer}.prefetch_{fork}",
+        name=name or f"l{layer}.prefetch_{fork}",
         op="prefetch",
         inputs=tuple(name for name, _, _, _ in taken),
         outputs=(),
@@ -163,6 +171,48 @@ def insert_forks(graph: Graph, nodes: list[Node], budget: int) -> list[Node]:
     for node in nodes:
         if node.name in before:
             result.append(before[node.name])
+        result.append(node)
+        if node.name in after:
+            result.append(after[node.name])
+    return result
+
+
+def streaming(graph: Graph, node: Node, stream_min: int, sizes: dict[str, int]) -> bool:
+    """Whether ``node`` streams weights: at least ``stream_min`` weight bytes it may read
+    before its wait, or routed experts (whose bytes the routing selects)."""
+    return (node.op == "routed_experts"
+            or pre_wait_bytes(graph, node, stream_min, sizes) >= stream_min)
+
+
+def _matrix_weights(graph: Graph, node: Node) -> list[Slice]:
+    """The matrix weights ``node`` reads before its wait, in input order, whole."""
+    skip = selected_weights(node)
+    queue: list[Slice] = []
+    for name in dict.fromkeys(node.inputs):
+        value = graph.values[name]
+        if value.storage is Storage.WEIGHT and name not in skip and len(value.type.shape) >= 2:
+            queue.append((name, 0, value.nbytes_static, node.name))
+    return queue
+
+
+def insert_forks_next(graph: Graph, nodes: list[Node], budget: int,
+                      stream_min: int) -> list[Node]:
+    """``nodes`` with a fork after every streaming launch that small launches follow,
+    warming the first ``budget`` bytes of the next streaming launch's weights (none when that
+    is routed experts: the router has not chosen them yet)."""
+    sizes: dict[str, int] = {}
+    stream = [i for i, node in enumerate(nodes) if streaming(graph, node, stream_min, sizes)]
+    after: dict[str, Node] = {}
+    for here, there in pairwise(stream):
+        target = nodes[there]
+        if there == here + 1 or target.op == "routed_experts":
+            continue
+        taken = _take(_matrix_weights(graph, target), budget)
+        if taken:
+            after[nodes[here].name] = _fork_node(target.layer, FORK_NEXT, taken, target.unit,
+                                                 name=f"{target.name}.prefetch")
+    result: list[Node] = []
+    for node in nodes:
         result.append(node)
         if node.name in after:
             result.append(after[node.name])
@@ -226,16 +276,20 @@ class Pdl:
         if "decisions" in g.meta:  # edited below: this graph gets its own top level
             g.meta["decisions"] = {name: per_bin for name, per_bin in g.meta["decisions"].items()
                                    if not g.has_node(name) or g.node(name).op != "prefetch"}
+        rule = tables.prefetch
         g.meta["pdl_config"] = {"enabled": self.enabled, "prefetch": self.prefetch,
                                 "pre_wait_cap_bytes": tables.pre_wait_bytes,
-                                "fork_budget_bytes": tables.fork_budget_bytes}
+                                "fork_budget_bytes": rule.fork_budget_bytes,
+                                "fork_rule": rule.rule}
         if not self.enabled:
             g.set_nodes(nodes)
             g.meta["pdl"] = {n.name: {"pdl": False, "reason": DISABLED, "prefetch_bytes": 0}
                              for n in nodes}
             return PassResult(g, True, "disabled (ablation): no PDL, no prefetch forks")
-        if self.prefetch:
-            nodes = insert_forks(g, nodes, tables.fork_budget_bytes)
+        if self.prefetch and rule.rule == "next_weights":
+            nodes = insert_forks_next(g, nodes, rule.fork_budget_bytes, rule.stream_min_bytes)
+        elif self.prefetch:
+            nodes = insert_forks(g, nodes, rule.fork_budget_bytes)
         g.set_nodes(nodes)
 
         decisions = g.meta.get("decisions", {})

@@ -24,6 +24,7 @@ from stepgraph.runtime.providers.registry import (
     Registry,
     candidates,
 )
+from stepgraph.runtime.side_stream import join
 
 
 @dataclass
@@ -79,11 +80,14 @@ class BinPlan:
     choices: list[Choice]
     graph: Any = None  # torch.cuda.CUDAGraph
     names: list[str] = field(default_factory=list)
+    device: torch.device | None = None  # where forked launches are joined (None: none)
 
     def run_eager(self) -> None:
-        """Enqueue every launch (no graph)."""
+        """Enqueue every launch (no graph), then join the side stream's forked launches."""
         for launch in self.launches:
             launch()
+        if self.device is not None:
+            join(self.device)
 
 
 def decision(graph: Graph, node: Node, rows: int) -> tuple[str | None, Mapping[str, Any]]:
@@ -166,7 +170,7 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
         choices.append(choice)
         if advance is not None:
             advance(1, f"bin {rows}: {node.name}")
-    return BinPlan(rows, launches, choices, names=[n.name for n in graph])
+    return BinPlan(rows, launches, choices, names=[n.name for n in graph], device=device)
 
 
 def _then(launch: Launch, more: Sequence[Launch]) -> Launch:

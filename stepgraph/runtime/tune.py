@@ -83,12 +83,12 @@ def projection_shapes(graph: Graph) -> list[ProjShape]:
 
 def candidate_tactics(rows: int, k: int, quick: bool = False
                       ) -> list[tuple[int, int, int, int]]:
-    """The split-K grid tried at ``rows``: m_tile 64 / 128, split 1..8 (while each split
-    keeps at least two K tiles), stages 4 / 6 (4 only when ``quick``); n_tile = the rows
-    (8..64)."""
+    """The split-K grid tried at ``rows``: m_tile 32 / 64 / 128 (64 / 128 when ``quick``),
+    split 1..8 (while each split keeps at least two K tiles), stages 4 / 6 (4 only when
+    ``quick``); n_tile = the rows (8..64)."""
     n_tile = max(8, min(64, 1 << max(0, (rows - 1).bit_length())))
     out = []
-    for m_tile in (64, 128):
+    for m_tile in ((64, 128) if quick else (32, 64, 128)):
         k_tile = 16384 // (2 * m_tile)
         for split in ((1, 2, 4) if quick else (1, 2, 4, 8)):
             if split > 1 and k // split < 2 * k_tile:

@@ -222,12 +222,15 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    last = _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr, cols,
-                       mask, N_SRC, N_DELTA)
-    vals = tl.where(sel == N_SRC - 1, last[None, :], 0.0)
+    # The earlier sources load before the prefix is stored: their loads then overlap the
+    # prefix's instead of waiting behind its store (Triton keeps loads after a store).
+    vals = tl.zeros([S_PAD, BLOCK], dtype=tl.float32)
     for i in tl.static_range(N_SRC - 1):
         v = tl.load(srcs[i] + row * strides[i] + cols, mask=mask, other=0.0).to(tl.float32)
         vals = tl.where(sel == i, v[None, :], vals)
+    last = _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr, cols,
+                       mask, N_SRC, N_DELTA)
+    vals = tl.where(sel == N_SRC - 1, last[None, :], vals)
     dots = tl.sum(vals * nq[None, :], 1)
     squares = tl.sum(vals * vals, 1)
     idx = tl.arange(0, S_PAD)

@@ -37,6 +37,8 @@ import triton.language as tl
 
 from stepgraph.runtime.kernels.launch_utils import interpreting
 
+FB_PRE_RANK = 128  # the widest f_b slab the prep kernel holds whole (loaded before its wait)
+
 
 def pdl_flag(requested: bool) -> bool:
     """PDL on when the launch asks for it (the caller checked the device) and a real GPU
@@ -76,13 +78,21 @@ def _conv_tap(x_ptr, x_stride, init, cols, row0, chan, mask_c,
 
 
 @triton.jit
-def _conv_silu(x_ptr, x_stride, w_ptr, init, cols, row0, chan, mask_c,
+def _load_conv_weight(w_ptr, chan, mask_c, taps, KS: tl.constexpr):
+    """The conv weight [BD, KSP] of the channels (taps past KS zero), float32."""
+    mask = mask_c[:, None] & (taps[None, :] < KS)
+    return tl.load(w_ptr + chan[:, None] * KS + taps[None, :], mask=mask, other=0.0
+                   ).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(x_ptr, x_stride, weight, taps, init, cols, row0, chan, mask_c,
                J: tl.constexpr, KS: tl.constexpr, BD: tl.constexpr):
-    """SiLU of the depthwise conv of token ``J`` (float32)."""
+    """SiLU of the depthwise conv of token ``J`` (float32) with the loaded ``weight``."""
     acc = tl.zeros([BD], dtype=tl.float32)
     for t in tl.static_range(KS):
-        weight = tl.load(w_ptr + chan * KS + t, mask=mask_c, other=0.0).to(tl.float32)
-        acc += weight * _conv_tap(x_ptr, x_stride, init, cols, row0, chan, mask_c, J, t, KS)
+        w_t = tl.sum(tl.where(taps[None, :] == t, weight, 0.0), axis=1)
+        acc += w_t * _conv_tap(x_ptr, x_stride, init, cols, row0, chan, mask_c, J, t, KS)
     return acc * tl.sigmoid(acc)
 
 
@@ -131,27 +141,40 @@ def _kda_prep_kernel(
     fla_slots_ptr, fla_accepted_ptr, scratch_slot,
     lower_bound,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, KS: tl.constexpr,
-    KW: tl.constexpr, RANK: tl.constexpr, BR: tl.constexpr, Q: tl.constexpr,
-    LOWER_BOUND: tl.constexpr, GATE: tl.constexpr, FLA: tl.constexpr, USE_PDL: tl.constexpr,
+    KW: tl.constexpr, KSP: tl.constexpr, RANK: tl.constexpr, BR: tl.constexpr,
+    Q: tl.constexpr, LOWER_BOUND: tl.constexpr, GATE: tl.constexpr, FB_PRE: tl.constexpr,
+    FLA: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Conv + SiLU + L2 norm of q, k, v, beta and (``GATE``) the decay gate of one (request,
-    head); without ``GATE`` the gate kernel computes the decay for all rows at once."""
+    head); without ``GATE`` the gate kernel computes the decay for all rows at once.
+
+    Before the PDL wait it loads what no earlier launch of the step writes: the weights (the
+    whole f_b slab with ``FB_PRE``, RANK <= BR), the slots (step inputs) and the conv states
+    (only this op writes them)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row0 = n * Q
     d = tl.arange(0, BD)
     mask_c = d < D
     chan = h * D + d
     cols = tl.arange(0, KW)
+    taps = tl.arange(0, KSP)
     start = _start_slot(slots_ptr, accepted_ptr, row0, Q)
     q_init = _load_conv_state(qs_ptr, conv_slot_stride, start, chan, mask_c, cols, KS)
     k_init = _load_conv_state(ks_ptr, conv_slot_stride, start, chan, mask_c, cols, KS)
     v_init = _load_conv_state(vs_ptr, conv_slot_stride, start, chan, mask_c, cols, KS)
+    q_w = _load_conv_weight(qw_ptr, chan, mask_c, taps, KS)
+    k_w = _load_conv_weight(kw_ptr, chan, mask_c, taps, KS)
+    v_w = _load_conv_weight(vw_ptr, chan, mask_c, taps, KS)
     rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt = tl.load(dt_ptr + chan, mask=mask_c, other=0.0).to(tl.float32)
+    if GATE and FB_PRE:
+        r_all = tl.arange(0, BR)
+        fb_all = tl.load(fb_ptr + chan[:, None] * RANK + r_all[None, :],
+                         mask=mask_c[:, None] & (r_all < RANK)[None, :], other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # fla-core's slot table: negative slots to the scratch slot, accepted per request (the
     # constexpr test stays apart from the runtime one: Triton folds it at compile time)
     if FLA:  # noqa: SIM102
@@ -164,9 +187,9 @@ def _kda_prep_kernel(
     for j in tl.static_range(Q):
         row = row0 + j
         out = (row * H + h) * D + d
-        q = _conv_silu(q_ptr, q_stride, qw_ptr, q_init, cols, row0, chan, mask_c, j, KS, BD)
-        k = _conv_silu(k_ptr, k_stride, kw_ptr, k_init, cols, row0, chan, mask_c, j, KS, BD)
-        v = _conv_silu(v_ptr, v_stride, vw_ptr, v_init, cols, row0, chan, mask_c, j, KS, BD)
+        q = _conv_silu(q_ptr, q_stride, q_w, taps, q_init, cols, row0, chan, mask_c, j, KS, BD)
+        k = _conv_silu(k_ptr, k_stride, k_w, taps, k_init, cols, row0, chan, mask_c, j, KS, BD)
+        v = _conv_silu(v_ptr, v_stride, v_w, taps, v_init, cols, row0, chan, mask_c, j, KS, BD)
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         tl.store(qn_ptr + out, q, mask=mask_c)
@@ -174,14 +197,20 @@ def _kda_prep_kernel(
         tl.store(vo_ptr + out, v, mask=mask_c)
         if GATE:  # f = f_b(f_a) over the head's channels, then the decay
             f = tl.zeros([BD], dtype=tl.float32)
-            for r0 in tl.static_range(0, RANK, BR):
-                r = r0 + tl.arange(0, BR)
-                mask_r = r < RANK
-                fa = tl.load(fa_ptr + row * fa_stride + r, mask=mask_r,
+            if FB_PRE:
+                fa = tl.load(fa_ptr + row * fa_stride + r_all, mask=r_all < RANK,
                              other=0.0).to(tl.float32)
-                fb = tl.load(fb_ptr + chan[:, None] * RANK + r[None, :],
-                             mask=mask_c[:, None] & mask_r[None, :], other=0.0).to(tl.float32)
-                f += tl.sum(fb * fa[None, :], axis=1)
+                f += tl.sum(fb_all.to(tl.float32) * fa[None, :], axis=1)
+            else:
+                for r0 in tl.static_range(0, RANK, BR):
+                    r = r0 + tl.arange(0, BR)
+                    mask_r = r < RANK
+                    fa = tl.load(fa_ptr + row * fa_stride + r, mask=mask_r,
+                                 other=0.0).to(tl.float32)
+                    fb = tl.load(fb_ptr + chan[:, None] * RANK + r[None, :],
+                                 mask=mask_c[:, None] & mask_r[None, :],
+                                 other=0.0).to(tl.float32)
+                    f += tl.sum(fb * fa[None, :], axis=1)
             gate = _decay_gate(f + dt, rate, lower_bound, LOWER_BOUND)
             tl.store(g_ptr + out, gate, mask=mask_c)
         b = tl.load(b_ptr + row * b_stride + h).to(tl.float32)
@@ -241,13 +270,11 @@ def _kda_recurrent_kernel(
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, Q: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """The delta rule of one (request, head, V block) on the float32 state [K, V]."""
+    """The delta rule of one (request, head, V block) on the float32 state [K, V]. The
+    state (only this op writes it) and the slots (step inputs) load before the PDL wait."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row0 = n * Q
     dk = tl.arange(0, BD)
     dv = vb * BV + tl.arange(0, BV)
@@ -258,6 +285,9 @@ def _kda_recurrent_kernel(
     start = _start_slot(slots_ptr, accepted_ptr, row0, Q)
     state = tl.load(state_ptr + start * state_slot_stride + within, mask=mask_s & (start >= 0),
                     other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for j in tl.static_range(Q):
         row = row0 + j
         base = (row * H + h) * D
@@ -327,6 +357,7 @@ def launch_prep(q, k, v, f_a, b, conv_weights, conv_states, f_b, dt_bias, a_log,
     fla = fla_slots is not None
     scratch = conv_states[0].shape[0] - 1
     use_pdl = pdl_flag(pdl)
+    fb_pre = rank <= FB_PRE_RANK
     _kda_prep_kernel[(rows // q_len, heads)](
         q, k, v, f_a, b,
         q.stride(0), k.stride(0), v.stride(0), f_a.stride(0), b.stride(0),
@@ -338,10 +369,12 @@ def launch_prep(q, k, v, f_a, b, conv_weights, conv_states, f_b, dt_bias, a_log,
         scratch,
         float(lower_bound) if lower_bound is not None else 0.0,
         H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim), KS=kernel_size,
-        KW=triton.next_power_of_2(max(kernel_size - 1, 1)), RANK=rank,
-        BR=min(32, triton.next_power_of_2(rank)), Q=q_len,
-        LOWER_BOUND=gate_form == "lower_bound", GATE=gate, FLA=fla, USE_PDL=use_pdl,
-        num_warps=4, launch_pdl=use_pdl,
+        KW=triton.next_power_of_2(max(kernel_size - 1, 1)),
+        KSP=triton.next_power_of_2(kernel_size), RANK=rank,
+        BR=triton.next_power_of_2(rank) if fb_pre else min(32, triton.next_power_of_2(rank)),
+        Q=q_len, LOWER_BOUND=gate_form == "lower_bound", GATE=gate, FB_PRE=fb_pre, FLA=fla,
+        USE_PDL=use_pdl,
+        num_warps=8 if fb_pre else 4, launch_pdl=use_pdl,  # 8: the f_b slab without spills
     )
 
 

@@ -45,15 +45,18 @@ def next_pow2(value: int) -> int:
 _SCRATCH: dict[tuple[str, str, torch.dtype], torch.Tensor] = {}
 
 
-def scratch(device: torch.device, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def scratch(device: torch.device, name: str, numel: int, dtype: torch.dtype,
+            zeroed: bool = False) -> torch.Tensor:
     """A flat scratch tensor of at least ``numel`` elements, shared by every launch of
     ``device`` that asks for ``name``. Call it when preparing a launch (never while
     capturing); a larger request allocates a larger buffer, and launches prepared earlier
     keep (and stay valid with) the buffer they were given. Only stream-ordered launches that
-    follow the PDL contract of this module may share one."""
+    follow the PDL contract of this module may share one. ``zeroed``: a new buffer starts at
+    zero (counters, which their users leave at zero again)."""
     key = (str(device), name, dtype)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = torch.empty(max(int(numel), 1), dtype=dtype, device=device)
+        make = torch.zeros if zeroed else torch.empty
+        buffer = make(max(int(numel), 1), dtype=dtype, device=device)
         _SCRATCH[key] = buffer
     return buffer[: max(int(numel), 1)]

@@ -7,8 +7,9 @@ tile of batch rows). It computes ``w_tile @ x_tile.T`` (the weight tile is the M
 operand, the batch rows its narrow one), loading its first ``pre`` weight tiles *before*
 ``gdc_wait()`` (weights never depend on the predecessor), then the activations. With one
 split it writes the output; with more it writes float32 partials ``[split, R, N]`` to a
-shared scratch buffer and kernel 2 (``_splitk_reduce_kernel``) sums them in split order
-(deterministic) into the output. Both are launched with PDL when allowed.
+shared scratch buffer, and the last program of each output tile to finish sums them in split
+order (deterministic whichever finishes last) into the output; tactics with ``fused: 0`` sum
+them in a second launch (``_splitk_reduce_kernel``) instead. Launches use PDL when allowed.
 """
 
 from __future__ import annotations
@@ -22,7 +23,13 @@ import triton
 import triton.language as tl
 
 from stepgraph.errors import UserError
-from stepgraph.runtime.kernels.launch_utils import dot_in_f32, next_pow2, pdl_allowed, scratch
+from stepgraph.runtime.kernels.launch_utils import (
+    dot_in_f32,
+    interpreting,
+    next_pow2,
+    pdl_allowed,
+    scratch,
+)
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use (H100/H200: 227 KB)
 REDUCE_BLOCK = 1024
@@ -38,16 +45,29 @@ def mma(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr,
+def _gpu_fence(anchor):
+    """``fence.acq_rel.gpu`` in every thread (``anchor``: any tensor, for the thread layout):
+    this thread's earlier stores are ordered before its later atomics, GPU-wide."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [anchor],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                    R, N, K, tiles_per_split,
                    stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
                    BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT: tl.constexpr, PRE: tl.constexpr, EVEN_K: tl.constexpr,
+                   FUSED: tl.constexpr, FENCE: tl.constexpr,
                    USE_PDL: tl.constexpr, DOT_F32: tl.constexpr):
     """Partial (or whole, SPLIT == 1) ``x @ w.T`` of one weight tile, K split, row tile.
 
     ``EVEN_K``: K is a multiple of BLOCK_K, so the main loop needs no K mask (a K mask of
-    unknown alignment keeps Triton from pipelining the loads)."""
+    unknown alignment keeps Triton from pipelining the loads). ``FUSED`` (SPLIT > 1): the
+    tile's last program to finish (a counter per output tile in ``sem_ptr``, left at zero
+    again) sums the partials in split order and writes the output, so no reduction launch
+    follows. ``FENCE``: order the partial stores before the counter with a GPU fence (off
+    under the interpreter, which runs programs one at a time)."""
     pid_w = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -106,6 +126,20 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr,
     else:
         ws = ws_ptr + (pid_s * R + offs_r[None, :]) * N + offs_w[:, None]
         tl.store(ws, acc, mask=mask)
+        if FUSED:
+            if FENCE:
+                _gpu_fence(offs_w)
+            tl.debug_barrier()
+            tile = pid_r * tl.num_programs(0) + pid_w
+            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the other splits' partials are all stored
+                total = tl.zeros([BLOCK_W, BLOCK_R], dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    part = ws_ptr + (s * R + offs_r[None, :]) * N + offs_w[:, None]
+                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
+                tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -131,7 +165,8 @@ def _splitk_reduce_kernel(ws_ptr, out_ptr, R, N, stride_or, stride_on,
 class SplitKTactic:
     """A split-K tactic: ``m_tile`` weight rows and ``n_tile`` batch rows a program,
     ``split`` K splits, ``stages`` pipeline stages; ``k_tile`` (0: 16 KB weight tiles),
-    ``warps`` and ``pre`` (weight tiles loaded before the PDL wait) refine it."""
+    ``warps``, ``pre`` (weight tiles loaded before the PDL wait) and ``fused`` (1: the last
+    split of a tile reduces; 0: a reduction launch) refine it."""
 
     m_tile: int = 128
     n_tile: int = 16
@@ -140,6 +175,7 @@ class SplitKTactic:
     k_tile: int = 0
     warps: int = 4
     pre: int = 2
+    fused: int = 1
 
     @classmethod
     def from_mapping(cls, tactic: Mapping[str, Any] | None, rows: int) -> SplitKTactic:
@@ -214,10 +250,15 @@ class SplitKGemm:
         self.plan = plan_splitk(rows, n, k, tactic)
         self.pdl = pdl_allowed(pdl, out.device)
         self.dot_f32 = dot_in_f32(w.dtype)
+        self.fused = bool(tactic.fused) and self.plan.split > 1
+        self.sem = out  # unused unless fused
         if self.plan.split > 1:
             self.ws = scratch(out.device, "splitk", self.plan.split * rows * n, torch.float32)
         else:
             self.ws = out  # unused by the kernel with SPLIT == 1
+        if self.fused:
+            tiles = self.plan.grid[0] * self.plan.grid[2]
+            self.sem = scratch(out.device, "splitk_sem", tiles, torch.int32, zeroed=True)
 
     def __call__(self) -> None:
         """Enqueue the launch(es)."""
@@ -225,13 +266,14 @@ class SplitKGemm:
         if self.rows == 0:
             return
         _splitk_kernel[p.grid](
-            x, w, out, self.ws, self.rows, self.n, self.k, p.k_per_split // p.block_k,
+            x, w, out, self.ws, self.sem, self.rows, self.n, self.k,
+            p.k_per_split // p.block_k,
             x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             BLOCK_W=p.block_w, BLOCK_R=p.block_r, BLOCK_K=p.block_k, SPLIT=p.split,
-            PRE=p.pre, EVEN_K=self.k % p.block_k == 0, USE_PDL=self.pdl,
-            DOT_F32=self.dot_f32,
+            PRE=p.pre, EVEN_K=self.k % p.block_k == 0, FUSED=self.fused,
+            FENCE=not interpreting(), USE_PDL=self.pdl, DOT_F32=self.dot_f32,
             num_warps=p.warps, num_stages=p.stages, launch_pdl=self.pdl)
-        if p.split > 1:
+        if p.split > 1 and not self.fused:
             grid = (triton.cdiv(self.n, REDUCE_BLOCK), self.rows)
             _splitk_reduce_kernel[grid](
                 self.ws, out, self.rows, self.n, out.stride(0), out.stride(1),

@@ -10,7 +10,8 @@ import importlib
 
 from stepgraph.runtime.providers.registry import REGISTRY, candidates, register
 
-_MODULES = ("collectives", "torch_ops", "triton_dense", "triton_moe", "triton_kda", "triton_mla")
+_MODULES = ("collectives", "torch_ops", "triton_dense", "triton_moe", "triton_kda", "triton_mla",
+            "l2_prefetch")
 
 
 def load_providers() -> list[str]:

@@ -31,11 +31,13 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
     )
 
 
-def fork_tables(directory: Path, budget: int = 16 << 20, rule: str = "seeds") -> Path:
+def fork_tables(directory: Path, budget: int = 16 << 20, rule: str = "seeds",
+                stream_min: int = 4 << 20) -> Path:
     """A copy of the H200 tactic tables in ``directory`` whose pdl pass inserts L2 prefetch
-    forks (``budget`` bytes a fork, fork ``rule``); returns its path."""
+    forks (``budget`` bytes a fork, fork ``rule``, launches of ``stream_min`` weight bytes
+    streaming); returns its path."""
     data = yaml.safe_load((ROOT / "stepgraph/data/tactics/h200.yaml").read_text())
-    data["prefetch"].update(fork_budget_bytes=budget, rule=rule)
-    path = directory / f"h200-forks-{rule}-{budget}.yaml"
+    data["prefetch"].update(fork_budget_bytes=budget, rule=rule, stream_min_bytes=stream_min)
+    path = directory / f"h200-forks-{rule}-{budget}-{stream_min}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

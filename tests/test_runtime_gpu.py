@@ -216,7 +216,9 @@ def test_prefetch_forks_on_the_side_stream_change_no_logit(rule: str, tmp_path) 
     spec = load_spec(MODELS / "tiny_k3.yaml")
     deployment = override_deployment(spec.deployment, target="h200")
     plain, _ = compile_graph(spec, deployment)
-    forked, _ = compile_graph(spec, deployment, tables_path=fork_tables(tmp_path, 4096, rule))
+    # tiny weights: every launch of at least 2 KiB of weights counts as streaming
+    forked, _ = compile_graph(spec, deployment,
+                              tables_path=fork_tables(tmp_path, 4096, rule, stream_min=2048))
     assert not [n for n in plain if n.op == "prefetch"]
     assert [n for n in forked if n.op == "prefetch"]
     steps = [load(graph, weights="random", device="cuda", dtype="bfloat16", progress=False,

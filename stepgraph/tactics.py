@@ -248,11 +248,6 @@ class TacticTables:
         return self.data.hardware.sms * rule.tiles_before_wait * rule.tile_bytes
 
     @property
-    def fork_budget_bytes(self) -> int:
-        """The most bytes one L2 prefetch fork warms."""
-        return self.data.prefetch.fork_budget_bytes
-
-    @property
     def prefetch(self) -> PrefetchRule:
         """Where prefetch forks go and how many bytes they warm."""
         return self.data.prefetch

@@ -28,7 +28,11 @@ negligible; ``attention_moe`` takes the first ``fork_budget_bytes``, ``oproj_dow
 (a weight that does not fit whole is warmed from its first rows). Each fork is an op
 ``prefetch`` node: inputs the weights, no outputs, attrs ``bytes`` (total),
 ``weight_offsets`` / ``weight_bytes`` (per input: the byte range warmed), ``target`` (the
-first node reading them) and ``fork``.
+first node reading them) and ``fork``. The tables' ``prefetch.rule: next_weights`` forks
+instead after every weight-streaming launch that small launches follow (``streaming``),
+warming the next streaming launch's first ``fork_budget_bytes``. The runtime runs a fork on a
+side stream, outside the PDL chain; the H200 table sets the budget to 0 (no forks): they
+measured slower there.
 
 ``meta["pdl"][node] = {"pdl", "reason", "prefetch_bytes"}`` (+ ``off_bins``: {rows: why});
 ``meta["pdl_config"]`` records the options. With ``enabled=False`` (ablation) no node uses
@@ -96,21 +100,28 @@ def pre_wait_bytes(graph: Graph, node: Node, cap: int,
 Slice = tuple[str, int, int, str]  # (weight, byte offset, bytes, first reader)
 
 
+def _matrix_weights(graph: Graph, node: Node) -> list[Slice]:
+    """The matrix weights ``node`` reads before its wait (not the ones its data selects;
+    vectors skipped as negligible), in input order, whole."""
+    skip = selected_weights(node)
+    queue: list[Slice] = []
+    for name in dict.fromkeys(node.inputs):
+        value = graph.values[name]
+        if value.storage is Storage.WEIGHT and name not in skip and len(value.type.shape) >= 2:
+            queue.append((name, 0, value.nbytes_static, node.name))
+    return queue
+
+
 def _mlp_queue(graph: Graph, nodes: list[Node]) -> list[Slice]:
-    """The MLP matrix weights of ``nodes`` (one layer's) in launch order, whole."""
+    """The MLP matrix weights of ``nodes`` (one layer's) in launch order, whole, each once."""
     queue: list[Slice] = []
     seen: set[str] = set()
     for node in nodes:
-        if node.unit != "mlp":
-            continue
-        skip = selected_weights(node)
-        for name in node.inputs:
-            value = graph.values[name]
-            if (value.storage is not Storage.WEIGHT or name in seen or name in skip
-                    or len(value.type.shape) < 2):
-                continue
-            seen.add(name)
-            queue.append((name, 0, value.nbytes_static, node.name))
+        if node.unit == "mlp":
+            for part in _matrix_weights(graph, node):
+                if part[0] not in seen:
+                    seen.add(part[0])
+                    queue.append(part)
     return queue
 
 
@@ -182,17 +193,6 @@ def streaming(graph: Graph, node: Node, stream_min: int, sizes: dict[str, int]) 
     before its wait, or routed experts (whose bytes the routing selects)."""
     return (node.op == "routed_experts"
             or pre_wait_bytes(graph, node, stream_min, sizes) >= stream_min)
-
-
-def _matrix_weights(graph: Graph, node: Node) -> list[Slice]:
-    """The matrix weights ``node`` reads before its wait, in input order, whole."""
-    skip = selected_weights(node)
-    queue: list[Slice] = []
-    for name in dict.fromkeys(node.inputs):
-        value = graph.values[name]
-        if value.storage is Storage.WEIGHT and name not in skip and len(value.type.shape) >= 2:
-            queue.append((name, 0, value.nbytes_static, node.name))
-    return queue
 
 
 def insert_forks_next(graph: Graph, nodes: list[Node], budget: int,

@@ -1,15 +1,14 @@
-"""L2 prefetch of weight byte ranges, as one PDL launch in the step's chain.
+"""L2 prefetch of weight byte ranges in one launch (the pdl pass's prefetch forks).
 
-The launches between two weight-streaming projections (a split-K reduction, the KDA core,
-the router, an RMSNorm) each take a few microseconds and read almost nothing, so HBM idles
-while they run. A prefetch launch placed at the start of such a stretch issues
-``prefetch.global.L2`` for the first bytes of the next projection's weights: they stream
-into L2 while the stretch runs, and the projection then reads them from L2.
-
-The kernel keeps the PDL contract of :mod:`launch_utils`: it reads only weights (it loads
-nothing: a prefetch returns no data) and writes nothing. It lets its dependent launch at
-once, issues its prefetches, then waits on its predecessor, so that its completion still
-implies its predecessor's (the chain stays ordered through it).
+The launches between two weight-streaming projections (the KDA core, the router, an
+RMSNorm) each take a few microseconds and read almost nothing, so HBM idles while they run.
+A prefetch launch at the start of such a stretch issues ``prefetch.global.L2`` (or a bulk
+prefetch) for the first bytes of the next projection's weights, so that the projection
+finds them in L2. The ``l2_prefetch`` provider runs it on a side stream without PDL; with
+``pdl=True`` (probes: an in-chain prefetch) it keeps the PDL contract of
+:mod:`launch_utils`: it reads only weights and writes nothing, lets its dependent launch at
+once, then waits on its predecessor, so that its completion still implies its
+predecessor's.
 """
 
 from __future__ import annotations

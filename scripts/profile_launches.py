@@ -9,6 +9,7 @@ Usage (GPU machine): python3 scripts/profile_launches.py ARTIFACT [--rows 1 ...]
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from collections import defaultdict
@@ -54,6 +55,15 @@ def _print_exposed(prof: profile, rounds: int) -> None:
         print(f"  {name:<62} {us / rounds:>10.1f}")
 
 
+def _last_replay(prof: profile, rounds: int) -> list[tuple[str, float, float]]:
+    """The kernels of the last profiled replay, in start order, times from its first."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    last = spans[len(spans) - len(spans) // rounds:]
+    origin = last[0][0] if last else 0.0
+    return [(name, start - origin, end - origin) for start, end, name in last]
+
+
 def main() -> int:
     """Profile bins of an artifact."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -61,7 +71,10 @@ def main() -> int:
     parser.add_argument("--rows", type=int, action="append")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--timeline", help="write each bin's kernels of one replay (name, "
+                        "start and end in us from the first) to this JSON file")
     args = parser.parse_args()
+    timelines: dict[str, list[tuple[str, float, float]]] = {}
     artifact = load_artifact(args.artifact)
     weights = device_random_weights(artifact.graph, 0)
     step = load(artifact, weights=weights, device="cuda", max_requests=64,
@@ -93,6 +106,10 @@ def main() -> int:
             print(f"{name:<62} {len(times) / rounds:>5.0f} {sum(times) / rounds:>10.1f} "
                   f"{sum(times) / len(times):>8.2f}")
         _print_exposed(prof, rounds)
+        timelines[str(size)] = _last_replay(prof, rounds)
+    if args.timeline:
+        with open(args.timeline, "w") as handle:
+            json.dump(timelines, handle)
     return 0
 
 

@@ -71,6 +71,14 @@ class PrefetchRule(_Strict):
     source: str
 
 
+class StreamRule(_Strict):
+    """Ops the streams pass runs on a side stream, beside the main launch chain (none: one
+    stream)."""
+
+    side_ops: tuple[str, ...] = ()
+    source: str = "no side stream"
+
+
 class Cap(_Strict):
     """Rows above which a kind takes the stock path (None: no cap); ``dcp_rows`` under DCP."""
 
@@ -122,6 +130,7 @@ class TableFile(_Strict):
     hardware: Hardware
     pdl: PdlRule
     prefetch: PrefetchRule
+    streams: StreamRule = StreamRule()
     caps: dict[str, Cap]
     providers: dict[str, ProviderInfo]
     ops: dict[str, OpProviders]
@@ -134,6 +143,9 @@ class TableFile(_Strict):
         missing = sorted(set(OPS) - set(self.ops))
         if missing:
             raise ValueError(f"ops without providers: {', '.join(missing)}")
+        unknown = sorted(set(self.streams.side_ops) - set(OPS))
+        if unknown:
+            raise ValueError(f"streams.side_ops: unknown ops {unknown}")
         for op, entry in self.ops.items():
             if not entry.providers:
                 raise ValueError(f"op {op} lists no provider")
@@ -251,6 +263,11 @@ class TacticTables:
     def prefetch(self) -> PrefetchRule:
         """Where prefetch forks go and how many bytes they warm."""
         return self.data.prefetch
+
+    @property
+    def streams(self) -> StreamRule:
+        """Which ops run on a side stream."""
+        return self.data.streams
 
     def choose(self, op: str, rows: int, n: int | None = None, k: int | None = None,
                tp: int = 1, q: int = 1) -> Choice:

@@ -1,12 +1,13 @@
 """A Chrome / Perfetto trace (``traceEvents`` JSON) of one bin's launch schedule.
 
-Track 1 holds one slice per launch in program order; track 2 the L2 prefetch forks (their
-own stream). Durations are ESTIMATES, not measurements: the bytes a launch moves divided by
-an assumed bandwidth from the tactic tables (HBM for compute and prefetches, the link for
-collectives), at least the tables' kernel (or collective) floor. A launch without PDL starts
-the tables' ``launch_gap_us`` after its predecessor ends; a PDL launch starts as it ends
-(the gap hidden). PDL edges are flow events (``cat`` ``pdl``); forks are flow events
-(``cat`` ``fork``) from the launch they follow to their prefetch slice.
+Track 1 holds one slice per launch in program order; track 2 the side stream: the streams
+pass's branches (joined before their first reader, which starts no earlier than their end)
+and the L2 prefetch forks. Durations are ESTIMATES, not measurements: the bytes a launch
+moves divided by an assumed bandwidth from the tactic tables (HBM for compute and
+prefetches, the link for collectives), at least the tables' kernel (or collective) floor. A
+launch without PDL starts the tables' ``launch_gap_us`` after its predecessor ends; a PDL
+launch starts as it ends (the gap hidden). PDL edges are flow events (``cat`` ``pdl``);
+forks are flow events (``cat`` ``fork``) from the launch they follow to their side slice.
 
 Bytes a launch moves: its weights (routed experts: the local experts expected to be touched
 under uniform routing), its row-sized operands at ``rows`` rows, the state slots it touches (read
@@ -98,9 +99,10 @@ def _duration_us(node: Node, moved: int, tables: TacticTables) -> tuple[float, s
 
 def chrome_trace(graph: Graph, rows: int, tables: TacticTables | None = None,
                  context: int = 4096) -> dict[str, Any]:
-    """The trace of bin ``rows``: one slice per launch (main stream on track 1, prefetch forks
-    on track 2), PDL edges and forks as flow events. ``context``: assumed cached tokens a
-    request (paged-cache reads). A rows count that is not a compiled bin is a UserError."""
+    """The trace of bin ``rows``: one slice per launch (main stream on track 1, side-stream
+    branches and prefetch forks on track 2), PDL edges and forks as flow events.
+    ``context``: assumed cached tokens a request (paged-cache reads). A rows count that is
+    not a compiled bin is a UserError."""
     bins = graph.meta.get("bins")
     q = int(graph.meta.get("deployment", {}).get("q", 1))
     if bins:
@@ -121,8 +123,10 @@ def chrome_trace(graph: Graph, rows: int, tables: TacticTables | None = None,
         {"ph": "M", "name": "thread_name", "pid": PID, "tid": MAIN_TID,
          "args": {"name": "launches (main stream)"}},
         {"ph": "M", "name": "thread_name", "pid": PID, "tid": PREFETCH_TID,
-         "args": {"name": "L2 prefetch forks (side stream)"}},
+         "args": {"name": "side stream (branches, L2 prefetch forks)"}},
     ]
+    side = graph.meta.get("streams", {}).get("side", {})
+    joins = {join for join in side.values() if join is not None}
     clock = 0.0  # end of the last main-stream launch, us
     side_clock = 0.0  # end of the last prefetch
     previous: dict[str, Any] | None = None
@@ -141,11 +145,15 @@ def chrome_trace(graph: Graph, rows: int, tables: TacticTables | None = None,
             "pdl_reason": mark.get("off_bins", {}).get(key, mark.get("reason")),
             "pre_wait_bytes": mark.get("prefetch_bytes", 0) if uses_pdl else 0,
         }
-        if node.op == "prefetch":
+        if node.op == "prefetch" or node.name in side:
             start = max(clock, side_clock)
             side_clock = start + duration
-            args.update(fork=node.attrs.get("fork"), target=node.attrs.get("target"))
-            events.append({"ph": "X", "name": node.name, "cat": "prefetch", "pid": PID,
+            if node.op == "prefetch":
+                args.update(fork=node.attrs.get("fork"), target=node.attrs.get("target"))
+            else:
+                args.update(joins_before=side[node.name])
+            events.append({"ph": "X", "name": node.name,
+                           "cat": "prefetch" if node.op == "prefetch" else "side", "pid": PID,
                            "tid": PREFETCH_TID, "ts": round(start, 3),
                            "dur": round(duration, 3), "args": args})
             if previous is not None:
@@ -157,6 +165,8 @@ def chrome_trace(graph: Graph, rows: int, tables: TacticTables | None = None,
                                "cat": "fork", "pid": PID, "tid": PREFETCH_TID,
                                "ts": round(start, 3)})
             continue
+        if node.name in joins:
+            clock = max(clock, side_clock)
         start = clock if (uses_pdl or previous is None) else clock + hw.launch_gap_us
         slice_ = {"ph": "X", "name": node.name, "cat": "launch", "pid": PID, "tid": MAIN_TID,
                   "ts": round(start, 3), "dur": round(duration, 3), "args": args}

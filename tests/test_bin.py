@@ -184,19 +184,21 @@ def test_every_node_and_bin_has_provider_tactic_and_reason() -> None:
         for decision in decisions[node.name].values():
             assert set(decision) == {"provider", "tactic", "reason"}
             assert decision["provider"] in tables.providers(node.op)
-            assert "h200 tables h200-chain-6" in decision["reason"]
+            assert "h200 tables h200-chain-7" in decision["reason"]
 
 
 def test_routed_experts_are_looked_up_by_one_experts_gate_up_shape() -> None:
     """routed_experts takes its block sizes from the routed_experts table, matched on one
-    expert's gate_up matrix (k3-rank-tp8: 6144 x 3584): 4 stages at bin 1, 3 at bin 8; a
-    shape the table lacks (tiny_k3) gets MoeTactic's defaults (an empty tactic)."""
+    expert's gate_up matrix (k3-rank-tp8: 6144 x 3584): 4 stages and one pre-wait tile at
+    bin 1, 3 stages and none at bin 8; a shape the table lacks (tiny_k3) gets MoeTactic's
+    defaults (an empty tactic)."""
     graph = _binned("k3_rank_tp8.yaml")
     per_bin = graph.meta["decisions"]["l1.routed_experts"]
-    fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "stages", "warps")
+    fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "stages", "warps", "pre")
     assert per_bin["1"]["provider"] == "triton_fused_moe"
     assert set(per_bin["1"]["tactic"]) == set(fields)
     assert per_bin["1"]["tactic"]["stages"] == 4 and per_bin["8"]["tactic"]["stages"] == 3
+    assert per_bin["1"]["tactic"]["pre"] == 1 and per_bin["8"]["tactic"]["pre"] == 0
     assert "routed_experts#0 [n=6144 k=3584 tp=1]" in per_bin["1"]["reason"]
     tiny = _binned("tiny_k3.yaml").meta["decisions"]
     routed = next(d for name, d in tiny.items() if name.endswith("routed_experts"))
@@ -216,7 +218,7 @@ def test_digest_is_the_files_sha256_and_changes_with_the_file(tmp_path: Path) ->
     shutil.copy(H200, path)
     first = load_tables("h200", path)
     assert first.digest == hashlib.sha256(H200.read_bytes()).hexdigest()
-    assert first.version == "h200-chain-6"
+    assert first.version == "h200-chain-7"
     path.write_text(path.read_text().replace("[128, 8, 2, 6]", "[128, 8, 2, 7]", 1))
     second = load_tables("h200", path)
     assert second.digest != first.digest

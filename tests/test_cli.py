@@ -173,7 +173,8 @@ def test_dump_after_all(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     names = sorted(p.name for p in (tmp_path / "dump").iterdir())
     assert names == ["00-frontend.txt", "01-shard.txt", "02-pack.txt", "03-fuse.txt",
-                     "04-bin.txt", "05-schedule.txt", "06-pdl.txt", "07-alias.txt"]
+                     "04-bin.txt", "05-schedule.txt", "06-streams.txt", "07-pdl.txt",
+                     "08-alias.txt"]
     assert "shard" in result.stderr and " ms " in result.stderr
     sharded = (tmp_path / "dump" / "01-shard.txt").read_text()
     assert "all_reduce" in sharded

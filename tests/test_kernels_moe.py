@@ -139,6 +139,8 @@ def interpreter_experts() -> None:
         (20, 12, 12, 0, 3, 32, 32, SITU, torch.float32,              # 2 row chunks
          {"block_m": 16, "block_k": 16, "block_n_gate_up": 16, "block_n_down": 16}),
         (6, 32, 4, 28, 2, 48, 40, SILU, torch.float32, {"block_k": 32}),  # many rows elsewhere
+        (4, 8, 8, 0, 2, 32, 48, SITU, torch.float32, {"block_k": 16, "pre": 2}),  # pre-wait
+        (2, 8, 8, 0, 2, 32, 24, SILU, torch.float32, {"block_k": 16, "pre": 3}),  # 2 > K tiles
     ]
     for seed, (rows, e, local, off, k, w, i, act, dt, tactic) in enumerate(cases):
         err = check_routed_experts(rows, e, local, off, k, w, i, act, dt, "cpu", tactic=tactic,
@@ -147,9 +149,10 @@ def interpreter_experts() -> None:
               f"{act['activation']} {dt}: {err:.2e}")
     gen = torch.Generator().manual_seed(11)
     gate_up, down = expert_weights(12, 40, 24, gen, "cpu")
-    for rows in (1, 5):
-        check_moe_chain(rows, "cpu", gate_up, down, top_k=4, replays=2)
-        print(f"router -> experts chain rows={rows}: ok")
+    for rows, pre in ((1, 0), (5, 0), (3, 1)):
+        check_moe_chain(rows, "cpu", gate_up, down, top_k=4, replays=2,
+                        tactic={"pre": pre, "block_k": 16})
+        print(f"router -> experts chain rows={rows} pre={pre}: ok")
 
 
 def interpreter_router() -> None:
@@ -292,10 +295,11 @@ def test_router_gpu(experts: int) -> None:
 
 
 def check_moe_chain(rows: int, device: str, gate_up: Any, down: Any, top_k: int = 16,
-                    replays: int = 4) -> None:
+                    replays: int = 4, tactic: dict[str, int] | None = None) -> None:
     """router -> routed experts with PDL, captured in one CUDA graph (eager off CUDA) and
-    replayed on fresh logits and rows (every launch must wait for the routing it reads);
-    logits and rows are column views of one float32 MoE-front buffer."""
+    replayed on fresh logits and rows (every launch must wait for the routing it reads; the
+    routing is poisoned before each replay, so a down launch reading it too early with
+    ``pre`` shows); logits and rows are column views of one float32 MoE-front buffer."""
     from stepgraph.runtime.providers.triton_dense import router
     from stepgraph.runtime.providers.triton_moe import routed_experts
 
@@ -318,7 +322,7 @@ def check_moe_chain(rows: int, device: str, gate_up: Any, down: Any, top_k: int 
         router(context(node_of("router", 2, 2, **r_attrs), [logits, bias, ids, wts],
                        pdl=True)),
         routed_experts(context(node_of("routed_experts", 5, 1, **e_attrs),
-                               [x, ids, wts, gate_up, down, out], pdl=True)),
+                               [x, ids, wts, gate_up, down, out], pdl=True, tactic=tactic)),
     ]
     runner = Replayer(launches, dev)
     for replay in range(replays):
@@ -341,9 +345,12 @@ def check_moe_chain(rows: int, device: str, gate_up: Any, down: Any, top_k: int 
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("rows", ROWS)
-def test_moe_graph_with_pdl_gpu(rows: int, k3_experts: dict[int, tuple[Any, Any]]) -> None:
-    """The chain of :func:`check_moe_chain` at K3 shapes (64 experts) in a CUDA graph."""
-    check_moe_chain(rows, "cuda", *k3_experts[64])
+@pytest.mark.parametrize("pre", (0, 1))
+def test_moe_graph_with_pdl_gpu(rows: int, pre: int,
+                                k3_experts: dict[int, tuple[Any, Any]]) -> None:
+    """The chain of :func:`check_moe_chain` at K3 shapes (64 experts) in a CUDA graph, the
+    down launch loading ``pre`` weight tiles (and so the routing) before its wait."""
+    check_moe_chain(rows, "cuda", *k3_experts[64], tactic={"pre": pre})
 
 
 if __name__ == "__main__":

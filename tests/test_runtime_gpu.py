@@ -32,6 +32,7 @@ from stepgraph.ir.graph import Graph  # noqa: E402
 from stepgraph.ir.types import Storage, eval_dim  # noqa: E402
 from stepgraph.lower.decode import DecodeRunner  # noqa: E402
 from stepgraph.lower.weights import random_weights  # noqa: E402
+from stepgraph.passes.pipeline import CompileOptions  # noqa: E402
 from stepgraph.runtime import CompiledStep, StepInputs, load  # noqa: E402
 from stepgraph.runtime.decode import CompiledDecodeRunner  # noqa: E402
 from stepgraph.spec_loader import load_spec, override_deployment, parse_spec_text  # noqa: E402
@@ -224,6 +225,27 @@ def test_prefetch_forks_on_the_side_stream_change_no_logit(rule: str, tmp_path) 
     steps = [load(graph, weights="random", device="cuda", dtype="bfloat16", progress=False,
                   allow_target_mismatch=not on_h200()) for graph in (plain, forked)]
     assert {c.provider for c in steps[1].choices() if c.op == "prefetch"} == {"l2_prefetch"}
+    assert_same_logits(steps, "the forks")
+
+
+def test_side_stream_shared_expert_changes_no_logit() -> None:
+    """tiny_k3 with its shared experts on the side stream (the streams pass, on by default
+    for the H200) gives the same logits, bit for bit, as on one stream, over replays of
+    every bin; and it matches the reference executor."""
+    spec = load_spec(MODELS / "tiny_k3.yaml")
+    deployment = override_deployment(spec.deployment, target="h200")
+    one, _ = compile_graph(spec, deployment, CompileOptions(streams=False))
+    two, _ = compile_graph(spec, deployment)
+    assert not one.meta["streams"]["side"]
+    assert {two.node(n).op for n in two.meta["streams"]["side"]} == {"shared_expert"}
+    steps = [load(graph, weights="random", device="cuda", dtype="bfloat16", progress=False,
+                  allow_target_mismatch=not on_h200()) for graph in (one, two)]
+    assert_same_logits(steps, "the side stream")
+
+
+def assert_same_logits(steps: list[CompiledStep], what: str) -> None:
+    """Both steps give bit-equal, finite logits from the same caches at 1, 3, 5 and 2 rows,
+    three replays each (the steps bound the same random weights)."""
     gen = torch.Generator().manual_seed(3)
     caches = {n: torch.randn(c.shape, generator=gen).to(c.dtype)
               for n, c in steps[0].caches.items()}
@@ -240,7 +262,7 @@ def test_prefetch_forks_on_the_side_stream_change_no_logit(rule: str, tmp_path) 
                 out = step.step(inputs)
             outs.append(out)
         assert torch.isfinite(outs[0]).all()
-        assert torch.equal(outs[0], outs[1]), f"{rows} rows: the forks changed the logits"
+        assert torch.equal(outs[0], outs[1]), f"{rows} rows: {what} changed the logits"
 
 
 def test_other_targets_are_refused_on_the_gpu() -> None:

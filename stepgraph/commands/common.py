@@ -41,13 +41,16 @@ def add_deployment_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_option_flags(parser: argparse.ArgumentParser) -> None:
-    """--no-pdl, --no-pack, --no-fuse (ablations); --tactics FILE."""
+    """--no-pdl, --no-pack, --no-fuse, --no-streams (ablations); --tactics FILE."""
     parser.add_argument("--no-pdl", action="store_true",
                         help="turn the PDL + prefetch pass off (ablation)")
     parser.add_argument("--no-pack", action="store_true",
                         help="keep projections unpacked (ablation)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="keep the AttnRes add, mix and norm separate (ablation)")
+    parser.add_argument("--no-streams", action="store_true",
+                        help="run every launch on one stream, no side-stream branch "
+                             "(ablation)")
     parser.add_argument("--tactics", metavar="FILE",
                         help="a tactic table file (e.g. `stepgraph tune`'s output) instead of "
                              "the target's own")
@@ -58,7 +61,7 @@ def options_from(args: argparse.Namespace):  # -> CompileOptions (lazy import)
     from stepgraph.passes.pipeline import CompileOptions
 
     return CompileOptions(pdl=not args.no_pdl, pack=not args.no_pack,
-                          fuse=not args.no_fuse)
+                          fuse=not args.no_fuse, streams=not args.no_streams)
 
 
 def spec_and_deployment(args: argparse.Namespace) -> tuple[Spec, Deployment]:

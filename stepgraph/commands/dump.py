@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser("dump", help="print the IR after a pass (or the frontend)")
     parser.add_argument("spec", help="model spec (YAML)")
     parser.add_argument("--after", default="frontend",
-                        help="frontend, or a pass: shard, pack, fuse, bin, schedule, pdl, alias")
+                        help="frontend, or a pass: shard, pack, fuse, bin, schedule, streams, pdl, "
+                             "alias")
     parser.add_argument("--layer", type=int, action="append",
                         help="only this layer's nodes (repeatable)")
     parser.add_argument("--format", choices=("text", "json", "dot", "mermaid"), default="text")

@@ -182,14 +182,19 @@ def summary_text(data: dict[str, Any], path: str) -> str:
 
 
 def decision_note(graph: Graph, rows: int):
-    """An annotate callback: each node's provider/tactic at ``rows`` rows."""
+    """An annotate callback: each node's provider/tactic at ``rows`` rows, and the side
+    stream for the streams pass's branches."""
     decisions = graph.meta.get("decisions", {})
+    side = graph.meta.get("streams", {}).get("side", {})
 
     def note(node: Node) -> str:
         entry = decisions.get(node.name, {}).get(str(rows))
         if not entry:
             return ""
         tactic = entry.get("tactic")
-        return f"{entry['provider']}" + (f" {tactic}" if tactic not in (None, "") else "")
+        text = f"{entry['provider']}" + (f" {tactic}" if tactic not in (None, "") else "")
+        if node.name in side:
+            text += f" [side stream, joins before {side[node.name] or 'the step end'}]"
+        return text
 
     return note

@@ -3,12 +3,14 @@
 Launch index i is the i-th node of the graph's program order (the schedule). A temp lives
 from its producer's launch to its last reader's launch, both inclusive (the producer's own
 launch when nothing reads it). A view has no memory of its own: reading it reads its base,
-so it extends the base's lifetime. Weights, states, inputs and outputs are not in the arena.
+so it extends the base's lifetime. A side-stream node's temps live until its branch joins
+the main stream (see :mod:`stepgraph.passes.streams`). Weights, states, inputs and outputs
+are not in the arena.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
@@ -47,7 +49,26 @@ def live_ranges(graph: Graph) -> dict[str, tuple[int, int]]:
         for name in node.outputs:
             if arena_root(name) == name:
                 ranges[name] = [index, index]
+    _hold_side_branches(graph, ranges, arena_root)
     return {name: (span[0], span[1]) for name, span in ranges.items()}
+
+
+def _hold_side_branches(graph: Graph, ranges: dict[str, list[int]],
+                        arena_root: Callable[[str], str | None]) -> None:
+    """Keep every temp a side-stream node reads or writes (the streams pass's
+    ``meta["streams"]["side"]``) live until the node its branch joins before (the last
+    launch when it joins at the end): the main stream's launches of the window run beside
+    it and must not reuse those bytes."""
+    side = graph.meta.get("streams", {}).get("side", {})
+    for name, join in side.items():
+        if not graph.has_node(name):
+            continue
+        until = graph.position(join) if join is not None else len(graph) - 1
+        node = graph.node(name)
+        for value in (*node.inputs, *node.outputs):
+            root = arena_root(value)
+            if root is not None and root in ranges:
+                ranges[root][1] = max(ranges[root][1], until)
 
 
 def buffers_at(graph: Graph, rows: int,

@@ -18,13 +18,14 @@ from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
 from stepgraph.runtime.binding import regroup_launches
 from stepgraph.runtime.comm import Communicator
+from stepgraph.runtime.kernels.launch_utils import scratch_namespace
 from stepgraph.runtime.providers.registry import (
     REGISTRY,
     Launch,
     Registry,
     candidates,
 )
-from stepgraph.runtime.side_stream import join
+from stepgraph.runtime.side_stream import fork, join
 
 
 @dataclass
@@ -158,19 +159,50 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
     for name, buffer in (kept or {}).items():
         regroups.setdefault(name, []).append(
             lambda src=bound[name], dst=buffer[:rows]: dst.copy_(src))
+    side = side_branches(graph, device)
+    joins = {join for join in side.values() if join is not None}
     for node in graph:
         wanted, tactic = decision(graph, node, rows)
         ctx = BinContext(node, rows, tactic, node_pdl(graph, node, rows, pdl), device, dtype,
                          graph, bound, comm)
-        launch, choice = prepare_node(ctx, wanted, preferences(node.op), registry, allowed)
+        with scratch_namespace("side" if node.name in side else ""):
+            launch, choice = prepare_node(ctx, wanted, preferences(node.op), registry,
+                                          allowed)
         refresh = [copy for name in node.outputs for copy in regroups.get(name, ())]
         if refresh:
             launch = _then(launch, refresh)
+        if node.name in side:
+            launch = _forked(launch, device)
+        if node.name in joins:
+            launch = _joined(launch, device)
         launches.append(launch)
         choices.append(choice)
         if advance is not None:
             advance(1, f"bin {rows}: {node.name}")
     return BinPlan(rows, launches, choices, names=[n.name for n in graph], device=device)
+
+
+def side_branches(graph: Graph, device: torch.device) -> dict[str, str | None]:
+    """The streams pass's side-stream nodes -> the node their branch joins before (None:
+    the step's end); none off CUDA, where every launch runs in program order."""
+    if device.type != "cuda":
+        return {}
+    return dict(graph.meta.get("streams", {}).get("side", {}))
+
+
+def _forked(launch: Launch, device: torch.device) -> Launch:
+    def run() -> None:
+        fork(device, launch)
+
+    return run
+
+
+def _joined(launch: Launch, device: torch.device) -> Launch:
+    def run() -> None:
+        join(device)
+        launch()
+
+    return run
 
 
 def _then(launch: Launch, more: Sequence[Launch]) -> Launch:

@@ -1,5 +1,6 @@
-"""Forked launches on a side stream: work that runs beside the step's launch chain (the pdl
-pass's L2 prefetch forks), joined back before the step ends.
+"""Forked launches on a side stream: work that runs beside the step's launch chain (the
+streams pass's side nodes, joined before their first reader; the pdl pass's L2 prefetch
+forks), joined back at the latest before the step ends.
 
 :func:`fork` makes the device's side stream wait for what the current stream has enqueued so
 far, enqueues the launch there, and remembers that the side stream has work; :func:`join`

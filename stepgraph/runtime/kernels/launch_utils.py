@@ -7,12 +7,15 @@ may start while its predecessor still runs, so it reads only weights before
 still reads: the arena is reused). Once ``gdc_wait()`` returns every earlier kernel of the
 stream has completed (each PDL kernel waits before it completes), which is also what makes
 the shared scratch buffers below safe: two launches on one stream never use a scratch
-buffer at the same time.
+buffer at the same time. Launches on a side stream take their own buffers
+(:func:`scratch_namespace`).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -43,6 +46,19 @@ def next_pow2(value: int) -> int:
 
 
 _SCRATCH: dict[tuple[str, str, torch.dtype], torch.Tensor] = {}
+_NAMESPACE = [""]
+
+
+@contextmanager
+def scratch_namespace(stream: str) -> Iterator[None]:
+    """Launches prepared inside get the scratch buffers of ``stream`` (a name): launches on
+    a side stream run beside the main stream's and must not share its buffers."""
+    saved = _NAMESPACE[0]
+    _NAMESPACE[0] = stream
+    try:
+        yield
+    finally:
+        _NAMESPACE[0] = saved
 
 
 def scratch(device: torch.device, name: str, numel: int, dtype: torch.dtype,
@@ -53,7 +69,7 @@ def scratch(device: torch.device, name: str, numel: int, dtype: torch.dtype,
     keep (and stay valid with) the buffer they were given. Only stream-ordered launches that
     follow the PDL contract of this module may share one. ``zeroed``: a new buffer starts at
     zero (counters, which their users leave at zero again)."""
-    key = (str(device), name, dtype)
+    key = (str(device), f"{_NAMESPACE[0]}/{name}" if _NAMESPACE[0] else name, dtype)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
         make = torch.zeros if zeroed else torch.empty

@@ -16,8 +16,9 @@ Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``
 
 The grid covers ``min(E, R * k)`` experts x tiles x ``ceil(R / BLOCK_M)`` chunks; programs
 past the active experts or rows return at once. A row's ids must be distinct (top-k).
-Every launch waits on its predecessor (``gdc_wait``) before reading the routing, so with
-PDL only the launch latency overlaps (which experts to read is not known before).
+The gate_up launch waits on its predecessor (``gdc_wait``) before reading the routing;
+every launch lets its dependents launch right after its wait, so the down launch (tactic
+``pre``) may read the routing and its first weight tiles before its own wait.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ COMBINE_BLOCK = 256
 @triton.jit
 def expert_rows(ids_ptr, stride_ir, stride_ij, R, TOPK, expert_offset, E, u, c,
                 R_PAD: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                BLOCK_M: tl.constexpr):
+                BLOCK_M: tl.constexpr, CG: tl.constexpr = 0):
     """The ``u``-th smallest local expert any row selected (``e``) and chunk ``c`` of the
     rows that selected it: their row index, top-k position, a valid mask [BLOCK_M], and
     whether this (expert, chunk) has any row."""
@@ -55,7 +56,12 @@ def expert_rows(ids_ptr, stride_ir, stride_ij, R, TOPK, expert_offset, E, u, c,
     slot_r = slots // K_PAD
     slot_j = slots % K_PAD
     flat_ok = (slot_r < R) & (slot_j < TOPK)
-    flat = tl.load(ids_ptr + slot_r * stride_ir + slot_j * stride_ij, mask=flat_ok, other=-1)
+    if CG:
+        flat = tl.load(ids_ptr + slot_r * stride_ir + slot_j * stride_ij, mask=flat_ok,
+                       other=-1, cache_modifier=".cg")
+    else:
+        flat = tl.load(ids_ptr + slot_r * stride_ir + slot_j * stride_ij, mask=flat_ok,
+                       other=-1)
     flat = flat - expert_offset
     flat_ok = flat_ok & (flat >= 0) & (flat < E)
     counts = tl.histogram(tl.where(flat_ok, flat, 0), E_PAD, mask=flat_ok)
@@ -70,8 +76,12 @@ def expert_rows(ids_ptr, stride_ir, stride_ij, R, TOPK, expert_offset, E, u, c,
     rows = tl.arange(0, R_PAD)
     js = tl.arange(0, K_PAD)
     ok = (rows < R)[:, None] & (js < TOPK)[None, :]
-    ids = tl.load(ids_ptr + rows[:, None] * stride_ir + js[None, :] * stride_ij, mask=ok,
-                  other=-1)
+    if CG:
+        ids = tl.load(ids_ptr + rows[:, None] * stride_ir + js[None, :] * stride_ij, mask=ok,
+                      other=-1, cache_modifier=".cg")
+    else:
+        ids = tl.load(ids_ptr + rows[:, None] * stride_ir + js[None, :] * stride_ij, mask=ok,
+                      other=-1)
     hit = ok & (ids - expert_offset == e)
     row_has = tl.max(hit.to(tl.int32), 1)
     j_of_row = tl.sum(tl.where(hit, js[None, :], 0), 1)
@@ -107,6 +117,7 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr,
     u = t // n_tiles
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e, row_m, j_m, valid_m, active = expert_rows(
         ids_ptr, stride_ir, stride_ij, R, TOPK, expert_offset, E, u, c,
         R_PAD, K_PAD, E_PAD, BLOCK_M)
@@ -140,8 +151,6 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr,
         slot = row_m * TOPK + j_m
         tl.store(h_ptr + slot[None, :].to(tl.int64) * stride_hr + offs_n[:, None],
                  h.to(h_ptr.dtype.element_ty), mask=n_ok[:, None] & valid_m[None, :])
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -152,27 +161,44 @@ def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      CHUNKS: tl.constexpr, R_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      E_PAD: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                     DOT_F32: tl.constexpr):
-    """y[r*k + j, n-tile] = weight[r, j] * (h[r*k + j] @ down[e].T) for the chunk's rows."""
+                     DOT_F32: tl.constexpr, PRE: tl.constexpr):
+    """y[r*k + j, n-tile] = weight[r, j] * (h[r*k + j] @ down[e].T) for the chunk's rows.
+
+    ``PRE`` > 0: the routing was written at least two launches back (the gate_up launch
+    lets this one start only once its own wait has returned), so the expert, its rows and
+    its first ``PRE`` weight tiles load before this launch's wait (the routing through L2:
+    ``.cg``, never a stale L1 line)."""
     pid = tl.program_id(0)
     c = pid % CHUNKS
     t = pid // CHUNKS
     nt = t % n_tiles
     u = t // n_tiles
-    if USE_PDL:
+    if USE_PDL and not PRE:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     e, row_m, j_m, valid_m, active = expert_rows(
         ids_ptr, stride_ir, stride_ij, R, TOPK, expert_offset, E, u, c,
-        R_PAD, K_PAD, E_PAD, BLOCK_M)
+        R_PAD, K_PAD, E_PAD, BLOCK_M, PRE)
+    offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < W
+    d_base = dn_ptr + e.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn
+    if PRE:
+        kp = tl.arange(0, PRE * BLOCK_K)
+        wd_pre = tl.load(d_base + kp[None, :] * stride_dk,
+                         mask=(n_ok[:, None] & (kp < INTER)[None, :]) & active, other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
     if active:
-        offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
-        n_ok = offs_n < W
         slot = row_m * TOPK + j_m
-        d_base = dn_ptr + e.to(tl.int64) * stride_de + offs_n[:, None] * stride_dn
         h_base = h_ptr + slot[None, :].to(tl.int64) * stride_hr
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for i in range(0, k_tiles):
+        if PRE:
+            ht_pre = tl.load(h_base + kp[:, None], mask=valid_m[None, :] & (kp < INTER)[:, None],
+                             other=0.0)
+            acc = mma(wd_pre, ht_pre, acc, DOT_F32)
+        for i in range(PRE, k_tiles):
             kk = i * BLOCK_K + offs_k
             if EVEN_K:
                 wd = tl.load(d_base + kk[None, :] * stride_dk, mask=n_ok[:, None], other=0.0)
@@ -188,8 +214,6 @@ def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr,
         y = acc * wt.to(tl.float32)[None, :]
         tl.store(y_ptr + slot[None, :].to(tl.int64) * stride_yr + offs_n[:, None], y,
                  mask=n_ok[:, None] & valid_m[None, :])
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -268,7 +292,9 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, E, TOPK,
 class MoeTactic:
     """Block sizes of the routed-expert launches: ``block_m`` rows a chunk (0: 16 or 32 from
     the rows), ``block_n_gate_up`` columns of each of gate and up a program,
-    ``block_n_down`` output columns a down program, ``block_k``, ``stages``, ``warps``."""
+    ``block_n_down`` output columns a down program, ``block_k``, ``stages``, ``warps``, and
+    ``pre``: K tiles of down's weights each down program loads before its PDL wait (0: none;
+    rounded down to a power of two)."""
 
     block_m: int = 0
     block_n_gate_up: int = 64
@@ -276,12 +302,18 @@ class MoeTactic:
     block_k: int = 128
     stages: int = 3
     warps: int = 4
+    pre: int = 0
 
     @classmethod
     def from_mapping(cls, tactic: Mapping[str, Any] | None) -> MoeTactic:
         """The tactic of a bin decision (any of the field names; others are ignored)."""
         known = {f: int(tactic[f]) for f in cls.__dataclass_fields__ if tactic and f in tactic}
         return cls(**known)
+
+
+def _pow2_floor(value: int) -> int:
+    """The largest power of two <= ``value`` (0 for values below 1)."""
+    return 0 if value < 1 else 1 << (int(value).bit_length() - 1)
 
 
 def _stages(stages: int, stage_bytes: int) -> int:
@@ -341,6 +373,8 @@ class RoutedExperts:
         self.stages_dn = _stages(t.stages, (self.bn_dn + self.block_m) * self.block_k * 2)
         self.tiles_gu = triton.cdiv(inter, self.bn_gu)
         self.tiles_dn = triton.cdiv(width, self.bn_dn)
+        # whole tiles of K, a power of two of them (one [block_n, pre * block_k] load)
+        self.pre = _pow2_floor(min(t.pre, triton.cdiv(inter, self.block_k)))
         slots = rows * top_k
         self.h = scratch(out.device, "moe_h", slots * inter, torch.bfloat16).view(slots, inter)
         self.y = scratch(out.device, "moe_y", slots * width, torch.float32).view(slots, width)
@@ -368,7 +402,7 @@ class RoutedExperts:
             self.experts, self.tiles_dn, triton.cdiv(self.inter, self.block_k),
             h.stride(0), ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
             dn.stride(0), dn.stride(1), dn.stride(2), y.stride(0),
-            BLOCK_N=self.bn_dn, EVEN_K=self.inter % self.block_k == 0,
+            BLOCK_N=self.bn_dn, EVEN_K=self.inter % self.block_k == 0, PRE=self.pre,
             num_stages=self.stages_dn, **common)
         _moe_combine_kernel[(self.rows, triton.cdiv(self.width, COMBINE_BLOCK))](
             y, ids, out, self.width, self.top_k, self.offset, self.experts,

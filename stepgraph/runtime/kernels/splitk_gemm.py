@@ -9,7 +9,9 @@ operand, the batch rows its narrow one), loading its first ``pre`` weight tiles 
 split it writes the output; with more it writes float32 partials ``[split, R, N]`` to a
 shared scratch buffer, and the last program of each output tile to finish sums them in split
 order (deterministic whichever finishes last) into the output; tactics with ``fused: 0`` sum
-them in a second launch (``_splitk_reduce_kernel``) instead. Launches use PDL when allowed.
+them in a second launch (``_splitk_reduce_kernel``) instead. Launches use PDL when allowed,
+and let their dependents launch right after the wait (as every kernel of the runtime), so
+the next launch's own weight loads overlap this one's whole stream, not only its tail.
 """
 
 from __future__ import annotations
@@ -94,7 +96,9 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
         w1 = tl.load(w_base + k1[None, :] * stride_wk,
                      mask=w_rows[:, None] & (k1 < k_hi)[None, :], other=0.0)
     if USE_PDL:
+        # Dependents may launch now: they only load weights until this grid completes.
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     acc = tl.zeros([BLOCK_W, BLOCK_R], dtype=tl.float32)
     x0 = tl.load(x_base + k0[:, None] * stride_xk,
@@ -117,8 +121,6 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                         mask=x_rows[None, :] & (kk < k_hi)[:, None], other=0.0)
         acc = mma(w, x, acc, DOT_F32)
 
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     mask = w_rows[:, None] & x_rows[None, :]
     if SPLIT == 1:
         ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on

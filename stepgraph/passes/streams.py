@@ -1,0 +1,95 @@
+"""The ``streams`` pass: independent branches onto a side stream.
+
+A decode step at few rows is one chain of launches, and most of them leave HBM partly idle
+(a router, a norm, a GEMM's ramp and tail). A node whose op the tactic tables list under
+``streams.side_ops`` (K3: the shared expert, which nothing on the routed path reads) is
+moved to run as early as its inputs allow, right after the last node writing one of them,
+and is marked to run on the device's side stream: the runtime forks it there and makes the
+main stream wait for it (a join) right before the first node that reads one of its outputs.
+Between the fork and the join its launches overlap the main chain's.
+
+What may move: a compute node that updates no state, reads only values written before its
+new position (it moves earlier, never past a reader) and whose outputs nothing between its
+new and old positions reads. Nothing else moves, so collectives keep their relative order.
+
+Memory: the arena is planned for concurrent branches. ``meta["streams"]["side"]`` maps each
+side node to the node it joins before (None: the step's end), and
+:func:`stepgraph.memory.liveness.live_ranges` keeps every temp a side node reads or writes
+live until that join, so no main-stream launch of the window reuses its bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.nodes import Node
+from stepgraph.ir.ops import OPS
+from stepgraph.ir.types import Storage
+from stepgraph.passes.bin import tables_for
+from stepgraph.passes.manager import CompileContext, PassError, PassResult
+
+
+def _temp_roots(graph: Graph, names: tuple[str, ...]) -> set[str]:
+    """The arena roots (temps, views followed to their base) among ``names``."""
+    roots = (graph.root(name) for name in names)
+    return {root for root in roots if graph.values[root].storage is Storage.TEMP}
+
+
+def _earliest(graph: Graph, nodes: list[Node], index: int) -> int:
+    """The position right after the last node before ``index`` that writes one of
+    ``nodes[index]``'s temp inputs (0 when none does)."""
+    wanted = _temp_roots(graph, nodes[index].inputs)
+    for position in range(index - 1, -1, -1):
+        if wanted & {graph.root(out) for out in nodes[position].outputs}:
+            return position + 1
+    return 0
+
+
+def _join_before(graph: Graph, nodes: list[Node], index: int) -> str | None:
+    """The first node after ``index`` that reads one of ``nodes[index]``'s outputs."""
+    outputs = {graph.root(out) for out in nodes[index].outputs}
+    for node in nodes[index + 1:]:
+        if outputs & {graph.root(name) for name in node.inputs}:
+            return node.name
+    return None
+
+
+@dataclass(frozen=True)
+class Streams:
+    """Move the tables' ``streams.side_ops`` nodes to their earliest position and mark them
+    for the side stream; ``enabled=False`` keeps one stream (ablation)."""
+
+    name: ClassVar[str] = "streams"
+    enabled: bool = True
+
+    def run(self, graph: Graph, ctx: CompileContext) -> PassResult:
+        """Return a copy with side nodes moved and ``meta["streams"]`` set."""
+        g = graph.copy()
+        side_ops = tables_for(g, ctx).streams.side_ops if self.enabled else ()
+        nodes = list(g)
+        side: dict[str, str | None] = {}
+        for op in side_ops:
+            opdef = OPS.get(op)
+            if opdef is None or opdef.category != "compute":
+                raise PassError(self.name, f"streams.side_ops lists {op!r}, which is not a "
+                                           "compute op")
+        moved = 0
+        for node in [n for n in nodes if n.op in side_ops]:
+            if node.updates:
+                continue  # a state's accesses keep their order on the main stream
+            index = nodes.index(node)
+            target = _earliest(g, nodes, index)
+            nodes.insert(target, nodes.pop(index))
+            moved += target < index
+            side[node.name] = _join_before(g, nodes, target)
+        g.set_nodes(nodes)
+        g.meta["streams"] = {"side": side, "side_ops": list(side_ops)}
+        if not self.enabled:
+            return PassResult(g, False, "disabled (ablation): one stream")
+        if not side:
+            return PassResult(g, False, "no side-stream op in this graph")
+        ops = sorted({g.node(name).op for name in side})
+        return PassResult(g, moved > 0, f"{len(side)} {'/'.join(ops)} node(s) on the side "
+                                        f"stream, {moved} moved earlier")

@@ -1,0 +1,115 @@
+"""The streams pass: side-stream nodes move to their earliest position, join before their
+first reader, and the arena keeps their bytes through the window (CPU, no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import MODELS
+
+from stepgraph.compiler import compile_graph
+from stepgraph.errors import UserError
+from stepgraph.ir.graph import Graph
+from stepgraph.ir.types import Storage
+from stepgraph.passes.pipeline import CompileOptions
+from stepgraph.spec_loader import load_spec, override_deployment
+from stepgraph.tactics import TABLES_DIR
+
+
+def _compiled(name: str, target: str = "h200", **options: bool) -> Graph:
+    spec = load_spec(MODELS / name)
+    deployment = override_deployment(spec.deployment, target=target)
+    graph, _ = compile_graph(spec, deployment, CompileOptions(**options))
+    return graph
+
+
+def _roots(graph: Graph, names: tuple[str, ...]) -> set[str]:
+    return {graph.root(n) for n in names if graph.values[graph.root(n)].storage is Storage.TEMP}
+
+
+def test_shared_experts_fork_after_their_input_and_join_before_their_reader() -> None:
+    """k3-rank-tp8 on the H200: every shared expert runs on the side stream, right after the
+    node writing its input, and joins before the first node reading its output (the next
+    layer's AttnRes); nothing between reads that output."""
+    graph = _compiled("k3_rank_tp8.yaml")
+    side = graph.meta["streams"]["side"]
+    shared = [n.name for n in graph if n.op == "shared_expert"]
+    assert sorted(side) == sorted(shared) and len(shared) == 12
+    order = [n.name for n in graph]
+    for name, join in side.items():
+        node = graph.node(name)
+        at = order.index(name)
+        before = graph.nodes[at - 1]
+        assert _roots(graph, node.inputs) & _roots(graph, before.outputs), name
+        assert join is not None
+        joined = order.index(join)
+        outputs = _roots(graph, node.outputs)
+        assert outputs & _roots(graph, graph.node(join).inputs)
+        for between in graph.nodes[at + 1:joined]:
+            assert not outputs & _roots(graph, between.inputs), (name, between.name)
+        # the branch overlaps the routed path: the router runs between fork and join
+        assert any(n.op == "router" for n in graph.nodes[at + 1:joined])
+
+
+def test_no_streams_keeps_program_order() -> None:
+    """--no-streams (and a target whose tables list no side op) leaves one stream: no side
+    node, and the shared expert where the frontend put it (after the routed experts)."""
+    for graph in (_compiled("k3_rank_tp8.yaml", streams=False),
+                  _compiled("k3_rank_tp8.yaml", target="cpu")):
+        assert graph.meta["streams"]["side"] == {}
+        order = [n.op for n in graph if n.layer == 1]
+        assert order.index("shared_expert") > order.index("routed_experts")
+
+
+def test_the_arena_keeps_side_branch_bytes_through_the_window() -> None:
+    """In every bin's plan, no temp written by a main-stream node between a side node's fork
+    and its join shares a byte with a temp the side node reads or writes (checked here from
+    the offsets and sizes the plan wrote, not from the planner's lifetimes)."""
+    graph = _compiled("k3_rank_tp8.yaml")
+    side = graph.meta["streams"]["side"]
+    order = [n.name for n in graph]
+    memory = graph.meta["memory"]
+    for entry in memory["bins"].values():
+        offsets, sizes = entry["offsets"], entry["sizes"]
+
+        def span(name: str, offsets=offsets, sizes=sizes) -> range:
+            return range(offsets[name], offsets[name] + sizes[name])
+
+        for name, join in side.items():
+            node = graph.node(name)
+            held = _roots(graph, (*node.inputs, *node.outputs))
+            window = graph.nodes[order.index(name) + 1:order.index(join)]
+            for other in window:
+                for temp in _roots(graph, other.outputs) - held:
+                    for mine in held:
+                        a, b = span(temp), span(mine)
+                        assert a.stop <= b.start or b.stop <= a.start, (name, other.name, temp)
+
+
+def test_side_ops_must_be_compute_ops(tmp_path: Path) -> None:
+    """A table listing a collective (or an unknown op) as a side op is refused."""
+    text = (TABLES_DIR / "h200.yaml").read_text()
+    bad = tmp_path / "collective.yaml"
+    bad.write_text(text.replace("side_ops: [shared_expert]", "side_ops: [all_reduce]"))
+    spec = load_spec(MODELS / "tiny_k3.yaml")
+    deployment = override_deployment(spec.deployment, target="h200")
+    with pytest.raises(UserError, match=r"all_reduce.*not a compute op"):
+        compile_graph(spec, deployment, tables_path=bad)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text(text.replace("side_ops: [shared_expert]", "side_ops: [warp_drive]"))
+    with pytest.raises(UserError, match="warp_drive"):
+        compile_graph(spec, deployment, tables_path=unknown)
+
+
+def test_trace_puts_branches_on_the_side_track_and_joins_after_them() -> None:
+    """`inspect --trace`: each shared expert is a slice on the side track, and the node it
+    joins before starts no earlier than that slice ends."""
+    from stepgraph.trace import MAIN_TID, PREFETCH_TID, chrome_trace
+
+    graph = _compiled("k3_rank_tp8.yaml")
+    slices = {e["name"]: e for e in chrome_trace(graph, 1)["traceEvents"] if e["ph"] == "X"}
+    for name, join in graph.meta["streams"]["side"].items():
+        branch, joined = slices[name], slices[join]
+        assert branch["tid"] == PREFETCH_TID and joined["tid"] == MAIN_TID
+        assert joined["ts"] >= branch["ts"] + branch["dur"] - 1e-3

@@ -12,11 +12,11 @@ kernels over the selected tokens. Ties among equal finite scores may pick other 
 the reference's top-k.
 
 The split count is fixed when the launch is prepared (capturable): the tactic's ``split``
-when given, else enough (row, head block, split) programs to fill the GPU twice, at most one
-split per ``block_n`` tokens of the block table and at most 64. Each split covers
-``ceil(seq_len / splits)`` tokens (rounded up to ``block_n``) of its row, so short rows leave
-splits empty (LSE -inf, merged with weight 0). Partial outputs live in scratch shared by
-every MLA launch of the device (stream-ordered).
+when given, else enough (row, head block, split) programs to fill the GPU four times
+(:data:`WAVES`), at most one split per ``block_n`` tokens of the block table and at most
+64. Each split covers ``ceil(seq_len / splits)`` tokens (rounded up to ``block_n``) of its
+row, so short rows leave splits empty (LSE -inf, merged with weight 0). Partial outputs
+live in scratch shared by every MLA launch of the device (stream-ordered).
 
 A layout the kernels do not take (a cache without a unit last stride, a non-contiguous kv_b,
 ...) makes a provider decline (NotImplementedError): the runtime then tries the next one.
@@ -41,6 +41,11 @@ class Declined(NotImplementedError):
     """The provider does not take this node's tensors (a layout its kernels cannot read):
     the runtime tries the next provider."""
 MAX_SPLITS = 64
+# Programs per SM the split count aims at. Measured on the H200 (2026-12-01, 4096 cached
+# tokens, scripts/ab_replay.py): k3-rank-tp8 at B=1 (12 heads) 64 splits 1673 us a step,
+# 32: 1684, 16: 1715, 8: 1784; k3-slice-tp1 at B=16 (64 heads) 5 splits (two waves) 6164
+# us, 8: 6070-6099, 16: 6089-6105. Four waves gives 64 and 9.
+WAVES = 4
 
 
 def last_dim_operand(tensor: torch.Tensor, name: str) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -71,7 +76,7 @@ def choose_splits(rows: int, heads: int, max_tokens: int, device: torch.device,
     block_h = int(tactic.get("block_h", 16))
     block_n = int(tactic.get("block_n", 32))
     programs = rows * -(-heads // block_h)
-    wanted = -(-2 * sm_count(device) // max(programs, 1))
+    wanted = -(-WAVES * sm_count(device) // max(programs, 1))
     most = max(1, -(-max_tokens // block_n))
     return max(1, min(wanted, most, MAX_SPLITS))
 

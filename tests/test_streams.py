@@ -113,3 +113,16 @@ def test_trace_puts_branches_on_the_side_track_and_joins_after_them() -> None:
         branch, joined = slices[name], slices[join]
         assert branch["tid"] == PREFETCH_TID and joined["tid"] == MAIN_TID
         assert joined["ts"] >= branch["ts"] + branch["dur"] - 1e-3
+
+
+def test_a_branch_beside_a_collective_stays_on_the_main_stream() -> None:
+    """k3_tp2: each shared expert's window would hold the MoE's all_gather and
+    reduce_scatter; NCCL beside a side stream is not verified, so the branch stays where the
+    frontend put it, on the main stream, and the summary says why."""
+    spec = load_spec(MODELS / "k3_tp2.yaml")
+    graph, reports = compile_graph(spec, spec.deployment)
+    assert graph.meta["streams"]["side"] == {}
+    layer = [n.op for n in graph if n.layer == 0]
+    assert layer.index("shared_expert") > layer.index("routed_experts")
+    summary = next(r.summary for r in reports if r.name == "streams")
+    assert "kept on the main stream (a collective in their window)" in summary

@@ -3,6 +3,9 @@ first reader, and the arena keeps their bytes through the window (CPU, no torch)
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -126,3 +129,21 @@ def test_a_branch_beside_a_collective_stays_on_the_main_stream() -> None:
     assert layer.index("shared_expert") > layer.index("routed_experts")
     summary = next(r.summary for r in reports if r.name == "streams")
     assert "kept on the main stream (a collective in their window)" in summary
+
+
+def test_inspect_shows_the_side_branches(tmp_path: Path) -> None:
+    """`stepgraph inspect`: a `streams` line in the summary and a `streams` key in the JSON
+    (side node -> the node it joins before; the count per op)."""
+    artifact = tmp_path / "rank.sgart"
+    run = [sys.executable, "-m", "stepgraph"]
+    subprocess.run([*run, "compile", str(MODELS / "k3_rank_tp8.yaml"), "-o", str(artifact)],
+                   check=True, capture_output=True)
+    text = subprocess.run([*run, "inspect", str(artifact), "--summary"], check=True,
+                          capture_output=True, text=True).stdout
+    assert "streams    12 launches on a side stream (12 shared_expert)" in text
+    data = json.loads(subprocess.run([*run, "inspect", str(artifact), "--summary", "--format",
+                                      "json"], check=True, capture_output=True,
+                                     text=True).stdout)
+    graph = _compiled("k3_rank_tp8.yaml")
+    assert data["streams"]["side"] == graph.meta["streams"]["side"]
+    assert data["streams"]["side_ops"] == {"shared_expert": 12}

@@ -91,6 +91,7 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
     layers = graph.meta.get("layers", [])
     weights = weight_rows(graph)
     temps = graph.values_of(Storage.TEMP)
+    side = dict(graph.meta.get("streams", {}).get("side", {}))
     ops = Counter(node.op for node in graph)
     collectives = {op: n for op, n in ops.items() if OPS[op].category == "collective"}
     deployment = document["deployment"]
@@ -117,6 +118,8 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
                    for v in graph.values_of(Storage.STATE)],
         "bins": bin_rows(graph),
         "caps": graph.meta.get("caps", {}),
+        "streams": {"side": side, "side_ops": dict(sorted(Counter(
+            graph.node(name).op for name in side).items()))},
     }
 
 
@@ -169,6 +172,11 @@ def summary_text(data: dict[str, Any], path: str) -> str:
                  f"states {len(data['states'])}")
     if data["caps"]:
         lines.append("caps       " + ", ".join(f"{k} {v}" for k, v in data["caps"].items()))
+    streams = data.get("streams", {})
+    if streams.get("side"):
+        lines.append(f"streams    {len(streams['side'])} launches on a side stream ("
+                     + ", ".join(f"{n} {op}" for op, n in streams["side_ops"].items())
+                     + "), each joined before its first reader")
     planned = [b for b in data["bins"] if "memory" in b]
     if planned:
         lines.append("memory     rows    arena      lower bound  naive      arena/lb")

@@ -143,9 +143,12 @@ class TableFile(_Strict):
         missing = sorted(set(OPS) - set(self.ops))
         if missing:
             raise ValueError(f"ops without providers: {', '.join(missing)}")
-        unknown = sorted(set(self.streams.side_ops) - set(OPS))
-        if unknown:
-            raise ValueError(f"streams.side_ops: unknown ops {unknown}")
+        for op in self.streams.side_ops:
+            if op not in OPS:
+                raise ValueError(f"streams.side_ops: unknown op {op!r}")
+            if OPS[op].category != "compute":
+                raise ValueError(f"streams.side_ops: {op} is not a compute op (only those "
+                                 "run on a side stream)")
         for op, entry in self.ops.items():
             if not entry.providers:
                 raise ValueError(f"op {op} lists no provider")

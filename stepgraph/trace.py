@@ -23,6 +23,7 @@ from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
 from stepgraph.ir.types import Storage, TensorType
+from stepgraph.memory.liveness import side_branches
 from stepgraph.passes.bin import tables_for
 from stepgraph.passes.pdl import is_collective
 from stepgraph.tactics import TacticTables
@@ -125,10 +126,10 @@ def chrome_trace(graph: Graph, rows: int, tables: TacticTables | None = None,
         {"ph": "M", "name": "thread_name", "pid": PID, "tid": PREFETCH_TID,
          "args": {"name": "side stream (branches, L2 prefetch forks)"}},
     ]
-    side = graph.meta.get("streams", {}).get("side", {})
+    side = side_branches(graph)
     joins = {join for join in side.values() if join is not None}
     clock = 0.0  # end of the last main-stream launch, us
-    side_clock = 0.0  # end of the last prefetch
+    side_clock = 0.0  # end of the last side-stream launch
     previous: dict[str, Any] | None = None
     flow = 0
     for node in graph:

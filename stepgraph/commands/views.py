@@ -12,6 +12,7 @@ from stepgraph.ir.ops import OPS
 from stepgraph.ir.printer import format_graph, graph_to_dot, graph_to_mermaid
 from stepgraph.ir.serialize import graph_to_json
 from stepgraph.ir.types import Storage
+from stepgraph.memory.liveness import side_branches
 
 
 def human_bytes(count: float) -> str:
@@ -91,7 +92,7 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
     layers = graph.meta.get("layers", [])
     weights = weight_rows(graph)
     temps = graph.values_of(Storage.TEMP)
-    side = dict(graph.meta.get("streams", {}).get("side", {}))
+    side = side_branches(graph)
     ops = Counter(node.op for node in graph)
     collectives = {op: n for op, n in ops.items() if OPS[op].category == "collective"}
     deployment = document["deployment"]
@@ -193,7 +194,7 @@ def decision_note(graph: Graph, rows: int):
     """An annotate callback: each node's provider/tactic at ``rows`` rows, and the side
     stream for the streams pass's branches."""
     decisions = graph.meta.get("decisions", {})
-    side = graph.meta.get("streams", {}).get("side", {})
+    side = side_branches(graph)
 
     def note(node: Node) -> str:
         entry = decisions.get(node.name, {}).get(str(rows))

@@ -53,14 +53,19 @@ def live_ranges(graph: Graph) -> dict[str, tuple[int, int]]:
     return {name: (span[0], span[1]) for name, span in ranges.items()}
 
 
+def side_branches(graph: Graph) -> dict[str, str | None]:
+    """The streams pass's side-stream nodes (``meta["streams"]["side"]``) -> the node their
+    branch joins before (None: the step's end); empty for a graph on one stream."""
+    return dict(graph.meta.get("streams", {}).get("side", {}))
+
+
 def _hold_side_branches(graph: Graph, ranges: dict[str, list[int]],
                         arena_root: Callable[[str], str | None]) -> None:
     """Keep every temp a side-stream node reads or writes (the streams pass's
     ``meta["streams"]["side"]``) live until the node its branch joins before (the last
     launch when it joins at the end): the main stream's launches of the window run beside
     it and must not reuse those bytes."""
-    side = graph.meta.get("streams", {}).get("side", {})
-    for name, join in side.items():
+    for name, join in side_branches(graph).items():
         if not graph.has_node(name):
             continue
         until = graph.position(join) if join is not None else len(graph) - 1

@@ -27,10 +27,9 @@ from typing import ClassVar
 
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
-from stepgraph.ir.ops import OPS
 from stepgraph.ir.types import Storage
 from stepgraph.passes.bin import tables_for
-from stepgraph.passes.manager import CompileContext, PassError, PassResult
+from stepgraph.passes.manager import CompileContext, PassResult
 from stepgraph.passes.pdl import is_collective
 
 
@@ -73,11 +72,6 @@ class Streams:
         side_ops = tables_for(g, ctx).streams.side_ops if self.enabled else ()
         nodes = list(g)
         side: dict[str, str | None] = {}
-        for op in side_ops:
-            opdef = OPS.get(op)
-            if opdef is None or opdef.category != "compute":
-                raise PassError(self.name, f"streams.side_ops lists {op!r}, which is not a "
-                                           "compute op")
         moved = kept = 0
         for node in [n for n in nodes if n.op in side_ops]:
             if node.updates:

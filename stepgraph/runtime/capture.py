@@ -16,6 +16,7 @@ import torch
 
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
+from stepgraph.memory.liveness import side_branches
 from stepgraph.runtime.binding import regroup_launches
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.kernels.launch_utils import scratch_namespace
@@ -159,7 +160,7 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
     for name, buffer in (kept or {}).items():
         regroups.setdefault(name, []).append(
             lambda src=bound[name], dst=buffer[:rows]: dst.copy_(src))
-    side = side_branches(graph, device)
+    side = device_side_branches(graph, device)
     joins = {join for join in side.values() if join is not None}
     for node in graph:
         wanted, tactic = decision(graph, node, rows)
@@ -182,12 +183,10 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
     return BinPlan(rows, launches, choices, names=[n.name for n in graph], device=device)
 
 
-def side_branches(graph: Graph, device: torch.device) -> dict[str, str | None]:
+def device_side_branches(graph: Graph, device: torch.device) -> dict[str, str | None]:
     """The streams pass's side-stream nodes -> the node their branch joins before (None:
     the step's end); none off CUDA, where every launch runs in program order."""
-    if device.type != "cuda":
-        return {}
-    return dict(graph.meta.get("streams", {}).get("side", {}))
+    return side_branches(graph) if device.type == "cuda" else {}
 
 
 def _forked(launch: Launch, device: torch.device) -> Launch:

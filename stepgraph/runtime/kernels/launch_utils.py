@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -46,19 +47,18 @@ def next_pow2(value: int) -> int:
 
 
 _SCRATCH: dict[tuple[str, str, torch.dtype], torch.Tensor] = {}
-_NAMESPACE = [""]
+_NAMESPACE: ContextVar[str] = ContextVar("scratch_namespace", default="")
 
 
 @contextmanager
 def scratch_namespace(stream: str) -> Iterator[None]:
     """Launches prepared inside get the scratch buffers of ``stream`` (a name): launches on
     a side stream run beside the main stream's and must not share its buffers."""
-    saved = _NAMESPACE[0]
-    _NAMESPACE[0] = stream
+    token = _NAMESPACE.set(stream)
     try:
         yield
     finally:
-        _NAMESPACE[0] = saved
+        _NAMESPACE.reset(token)
 
 
 def scratch(device: torch.device, name: str, numel: int, dtype: torch.dtype,
@@ -69,7 +69,8 @@ def scratch(device: torch.device, name: str, numel: int, dtype: torch.dtype,
     keep (and stay valid with) the buffer they were given. Only stream-ordered launches that
     follow the PDL contract of this module may share one. ``zeroed``: a new buffer starts at
     zero (counters, which their users leave at zero again)."""
-    key = (str(device), f"{_NAMESPACE[0]}/{name}" if _NAMESPACE[0] else name, dtype)
+    namespace = _NAMESPACE.get()
+    key = (str(device), f"{namespace}/{name}" if namespace else name, dtype)
     buffer = _SCRATCH.get(key)
     if buffer is None or buffer.numel() < numel:
         make = torch.zeros if zeroed else torch.empty

@@ -111,10 +111,12 @@ class TacticRow(_Strict):
 
 
 class TacticTable(_Strict):
-    """Tactics of one provider (``fields`` name a tactic's numbers) with a default."""
+    """Tactics of one provider (``fields`` name a tactic's numbers) with a default; a bin may
+    leave out the last ``optional`` fields (the provider's defaults then hold)."""
 
     provider: str
     fields: tuple[str, ...]
+    optional: int = 0
     default: str
     default_source: str
     rows: tuple[TacticRow, ...] = ()
@@ -174,9 +176,11 @@ class TableFile(_Strict):
                         if tactic not in entry.providers:
                             raise ValueError(f"{where}: bin {rows}: provider {tactic!r} not "
                                              f"allowed for op {op}")
-                    elif len(tactic) != len(table.fields):
+                    elif not (len(table.fields) - table.optional <= len(tactic)
+                              <= len(table.fields)):
                         raise ValueError(f"{where}: bin {rows}: {len(tactic)} numbers for "
-                                         f"fields {list(table.fields)}")
+                                         f"fields {list(table.fields)} (the last "
+                                         f"{table.optional} optional)")
         return self
 
 
@@ -308,7 +312,7 @@ class TacticTables:
                 head = f"{self.label}: row {where} [{shape}], bin {tabled} ({rule})"
                 if isinstance(value, str):
                     return Choice(value, {}, f"{head}: {value} ({row.source})", where, tabled)
-                tactic = dict(zip(table.fields, value, strict=True))
+                tactic = dict(zip(table.fields, value, strict=False))  # optional: left out
                 text = " ".join(f"{f}={v}" for f, v in tactic.items())
                 return Choice(table.provider, tactic, f"{head}: {table.provider} {text} "
                               f"({row.source})", where, tabled)

@@ -27,7 +27,7 @@ H200 = TABLES_DIR / "h200.yaml"
 
 # The seeds' projection_policies (shared/seeds/000), evaluated by hand for each row count:
 # n = next bin of (8, 16, 32) else 64; the 6288-row (KDA TP8) branch and the generic one.
-SEEDS_KDA_TP8 = {1: (128, 8, 2, 6), 3: (128, 8, 2, 6), 8: (128, 8, 2, 6), 9: (128, 16, 2, 6),
+SEEDS_KDA_TP8 = {2: (128, 8, 2, 6), 3: (128, 8, 2, 6), 8: (128, 8, 2, 6), 9: (128, 16, 2, 6),
                  16: (128, 16, 2, 6), 17: (128, 32, 2, 5), 32: (128, 32, 2, 5),
                  33: (64, 64, 1, 6), 64: (64, 64, 1, 6)}
 SEEDS_KDA_TP16 = {1: (64, 8, 4, 8), 8: (64, 8, 4, 8), 12: (64, 16, 2, 10), 32: (64, 32, 2, 8),
@@ -97,6 +97,17 @@ def test_kda_tp8_projection_uses_the_seeds_tactics_at_every_row_count() -> None:
         assert "seeds 000" in decisions[rows]["reason"]
 
 
+def test_one_row_takes_the_measured_gemv_form_at_the_k3_tp8_shapes() -> None:
+    """Bin 1 of the seeded TP8 rows is ours: the GEMV form (n_tile 1) with its optional
+    k_tile and warps fields, measured on the H200 at those per-rank shapes."""
+    for n, m_tile in ((6288, 8), (3648, 16)):
+        decision = _decide(n, 8, [1])[1]
+        assert decision["provider"] == "splitk"
+        assert decision["tactic"] == {"m_tile": m_tile, "n_tile": 1, "split": 1, "stages": 3,
+                                      "k_tile": 0, "warps": 8}, n
+        assert "GEMV form measured on NVIDIA H200" in decision["reason"]
+
+
 def test_kda_tp16_and_mla_tp8_use_the_generic_branch_with_their_last_stage() -> None:
     for rows, expected in _decide(3216, 16, list(SEEDS_KDA_TP16)).items():
         assert _tactic(expected) == SEEDS_KDA_TP16[rows]
@@ -128,7 +139,7 @@ def test_k3_at_tp8_finds_the_seeded_row_for_the_packed_kda_projection() -> None:
     assert len(names) == 1
     decisions = graph.meta["decisions"][names[0]]
     assert {int(r): _tactic(d) for r, d in decisions.items()} == {
-        1: (128, 8, 2, 6), 2: (128, 8, 2, 6), 4: (128, 8, 2, 6), 8: (128, 8, 2, 6),
+        1: (8, 1, 1, 3), 2: (128, 8, 2, 6), 4: (128, 8, 2, 6), 8: (128, 8, 2, 6),
         16: (128, 16, 2, 6), 32: (128, 32, 2, 5), 64: (64, 64, 1, 6)}
 
 
@@ -184,7 +195,7 @@ def test_every_node_and_bin_has_provider_tactic_and_reason() -> None:
         for decision in decisions[node.name].values():
             assert set(decision) == {"provider", "tactic", "reason"}
             assert decision["provider"] in tables.providers(node.op)
-            assert "h200 tables h200-chain-7" in decision["reason"]
+            assert "h200 tables h200-chain-8" in decision["reason"]
 
 
 def test_routed_experts_are_looked_up_by_one_experts_gate_up_shape() -> None:
@@ -218,11 +229,11 @@ def test_digest_is_the_files_sha256_and_changes_with_the_file(tmp_path: Path) ->
     shutil.copy(H200, path)
     first = load_tables("h200", path)
     assert first.digest == hashlib.sha256(H200.read_bytes()).hexdigest()
-    assert first.version == "h200-chain-7"
+    assert first.version == "h200-chain-8"
     path.write_text(path.read_text().replace("[128, 8, 2, 6]", "[128, 8, 2, 7]", 1))
     second = load_tables("h200", path)
     assert second.digest != first.digest
-    assert second.choose("projection", 1, 6288, 7168, 8).tactic["stages"] == 7
+    assert second.choose("projection", 2, 6288, 7168, 8).tactic["stages"] == 7
     graph = _binned("tiny_k3.yaml", second)
     assert graph.meta["tactics"]["digest"] == second.digest
 
@@ -240,6 +251,10 @@ def test_targets_without_tables_use_the_default_file() -> None:
     (lambda d: d["ops"]["add"].update(providers=["magic"]), "unknown provider 'magic'"),
     (lambda d: d["tactics"]["projection"]["rows"][0]["bins"].update({8: [1, 2]}),
      "2 numbers for fields"),
+    (lambda d: d["tactics"]["projection"]["rows"][0]["bins"].update({8: [1, 2, 3]}),
+     "'stages', 'k_tile', 'warps'] (the last 2 optional)"),
+    (lambda d: d["tactics"]["projection"]["rows"][0]["bins"].update({8: [1] * 7}),
+     "7 numbers for fields"),
     (lambda d: d["tactics"]["projection"]["rows"][0]["match"].update(heads=8),
      "unknown match keys"),
     (lambda d: d.update(colour="red"), "colour: unknown key"),

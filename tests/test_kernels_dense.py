@@ -39,13 +39,16 @@ HERE = Path(__file__).resolve()
 TOL_BF16 = 1e-2
 TOL_F32 = 5e-4  # float32 outputs (the MoE front): far under a BF16 rounding (~2e-3)
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-# (n, k, out dtype, tactics [m_tile, n_tile, split, stages]: the H200 table's rows of that
-# shape, where it has them, and a few more)
+# (n, k, out dtype, tactics [m_tile, n_tile, split, stages(, k_tile, warps)]: the H200
+# table's rows of that shape, where it has them, and a few more; n_tile 1 is the GEMV form)
 K3_PROJECTIONS = (
-    (6288, 7168, "bfloat16", ((128, 8, 2, 6), (128, 16, 2, 6), (128, 32, 2, 5), (64, 64, 1, 6))),
-    (3648, 7168, "bfloat16", ((64, 8, 4, 8), (64, 16, 2, 10), (64, 32, 2, 8), (64, 64, 2, 5))),
-    (560, 7168, "float32", ((64, 8, 4, 8), (32, 16, 8, 6), (64, 64, 2, 5))),
-    (7168, 1536, "bfloat16", ((128, 16, 1, 4), (64, 16, 2, 6), (64, 64, 1, 4))),
+    (6288, 7168, "bfloat16", ((128, 8, 2, 6), (128, 16, 2, 6), (128, 32, 2, 5), (64, 64, 1, 6),
+                              (8, 1, 1, 3, 0, 8))),
+    (3648, 7168, "bfloat16", ((64, 8, 4, 8), (64, 16, 2, 10), (64, 32, 2, 8), (64, 64, 2, 5),
+                              (16, 1, 1, 3, 0, 8), (16, 1, 2, 4, 0, 4))),
+    (560, 7168, "float32", ((64, 8, 4, 8), (32, 16, 8, 6), (64, 64, 2, 5), (8, 1, 4, 2, 0, 8))),
+    (7168, 1536, "bfloat16", ((128, 16, 1, 4), (64, 16, 2, 6), (64, 64, 1, 4),
+                              (32, 1, 1, 3, 0, 8))),
 )
 
 needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed")
@@ -56,7 +59,9 @@ def _dtype(name: str) -> Any:
 
 
 def _tactic(t: tuple[int, ...]) -> dict[str, int]:
-    return dict(zip(("m_tile", "n_tile", "split", "stages"), t, strict=True))
+    names = ("m_tile", "n_tile", "split", "stages", "k_tile", "warps")
+    assert 4 <= len(t) <= len(names), t
+    return dict(zip(names, t, strict=False))
 
 
 # ----------------------------------------------------------------------------- checks
@@ -175,6 +180,11 @@ def interpreter_projection() -> None:
         (5, 33, 256, (64, 8, 4, 3), torch.bfloat16, False),   # even K, 4 splits
         (64, 48, 128, (16, 64, 2, 2), torch.bfloat16, True),
         (2, 24, 48, (16, 16, 8, 2), torch.bfloat16, True),    # more splits than K tiles
+        # the GEMV form (n_tile 1): one row, several rows, ragged N and K, 3 splits, f32 out
+        (1, 70, 96, (8, 1, 1, 2), torch.bfloat16, True),
+        (3, 37, 200, (16, 1, 3, 3), torch.bfloat16, True),
+        (1, 40, 256, (4, 1, 2, 4), torch.float32, False),
+        (2, 24, 48, (32, 1, 8, 4), torch.bfloat16, True),
     ]
     for seed, (rows, n, k, t, dtype, strided) in enumerate(cases):
         tactic = _tactic(t)
@@ -269,7 +279,7 @@ def sm90_projection() -> None:
                                   SplitKTactic(*t), pdl=False)
                 gemm.pdl = True  # meta tensors: pdl_allowed says no; compile the PDL form
                 p = gemm.plan
-                key = (p.block_w, p.block_r, p.block_k, p.split, p.stages, out_name)
+                key = (p.block_w, p.block_r, p.block_k, p.split, p.stages, p.warps, out_name)
                 if key in seen:
                     continue
                 seen.add(key)
@@ -280,11 +290,15 @@ def sm90_projection() -> None:
                     assert c.spills == 0, f"{where}: {c.name} spills {c.spills} bytes"
                     assert c.shared <= SMEM_LIMIT, f"{where}: {c.name} shared {c.shared}"
                     assert "griddepcontrol.wait" in c.ptx, f"{where}: {c.name} has no PDL wait"
-                    if c.name == "_splitk_kernel":
+                    if c.name in ("_splitk_kernel", "_gemv_kernel"):
                         assert c.loads_before_wait(), f"{where}: no weight load before the wait"
                         assert "griddepcontrol.launch_dependents" in c.ptx, where
+                    if c.name == "_splitk_kernel":
                         assert "async_copy" in c.ttgir or "async_tma" in c.ttgir, \
                             f"{where}: the main loop is not pipelined"
+                    if c.name == "_gemv_kernel":  # registers only: no shared-memory staging
+                        assert "async_copy" not in c.ttgir and c.shared <= 4096, \
+                            f"{where}: the GEMV stages through shared memory"
 
 
 def sm90_small_ops() -> None:
@@ -303,6 +317,8 @@ def sm90_small_ops() -> None:
                     AttnResNorm([x] * 9, [x, x], w, w, w, _meta(64, width), _meta(64, width),
                                 1e-6, 1e-5),
                     AttnResNorm([x] * 3, [], w, w, w, _meta(64, width), None, 1e-6, 1e-5),
+                    AttnResNorm([x] * 2, [x, x], w, w, w, _meta(64, width), _meta(64, width),
+                                1e-6, 1e-5),  # k3-rank-tp8's most common mix
                     AttnResNorm([x] * 3, [x], w, w, w, _meta(64, width), _meta(64, width),
                                 1e-6, 1e-5)]  # K3's 3-source mix: the one-tile kernel
         for launch in launches:
@@ -424,9 +440,9 @@ def test_candidate_tactics_keep_two_k_tiles_a_split() -> None:
 
     for rows in ROWS:
         for k in (1536, 3584, 7168):
-            for m_tile, n_tile, split, _ in candidate_tactics(rows, k):
+            for m_tile, n_tile, split, *_ in candidate_tactics(rows, k):
                 assert split == 1 or k // split >= 2 * (16384 // (2 * m_tile)), (k, split)
-                assert 8 <= n_tile <= 64
+                assert 8 <= n_tile <= 64 or (n_tile == 1 and rows == 1), (rows, n_tile)
 
 
 # ----------------------------------------------------------------------------- GPU tests

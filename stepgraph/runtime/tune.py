@@ -29,7 +29,7 @@ import yaml
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 
-PROJECTION_OPS = ("projection", "o_proj")
+PROJECTION_OPS = ("projection", "o_proj", "lm_head")
 GATED_MLP_OPS = ("shared_expert", "dense_mlp")
 ROTATE_BYTES = 128 << 20  # rotating inputs: at least this many weight bytes (> 2x a 50 MB L2)
 MAX_COPIES = 64
@@ -52,12 +52,12 @@ class Measurement:
     shape: ProjShape
     rows: int
     cublas_us: float
-    splitk_us: dict[tuple[int, int, int, int], float] = field(default_factory=dict)
+    splitk_us: dict[tuple[int, ...], float] = field(default_factory=dict)
 
-    def choice(self, splitk_only: bool) -> tuple[str, tuple[int, int, int, int] | None, float]:
+    def choice(self, splitk_only: bool) -> tuple[str, tuple[int, ...] | None, float]:
         """``("cublas", None, us)`` or ``("splitk", tactic, us)``, whichever is fastest; with
         ``splitk_only`` the fastest split-K tactic (cuBLAS only where none was measured)."""
-        choice: tuple[str, tuple[int, int, int, int] | None, float] = (
+        choice: tuple[str, tuple[int, ...] | None, float] = (
             "cublas", None, math.inf if splitk_only and self.splitk_us else self.cublas_us)
         for tactic, us in sorted(self.splitk_us.items()):
             if us < choice[2]:
@@ -81,21 +81,35 @@ def projection_shapes(graph: Graph) -> list[ProjShape]:
     return list(shapes.values())
 
 
-def candidate_tactics(rows: int, k: int, quick: bool = False
-                      ) -> list[tuple[int, int, int, int]]:
+def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int, ...]]:
     """The split-K grid tried at ``rows``: m_tile 32 / 64 / 128 (64 / 128 when ``quick``),
     split 1..8 (while each split keeps at least two K tiles), stages 4 / 6 (4 only when
-    ``quick``); n_tile = the rows (8..64)."""
+    ``quick``); n_tile = the rows (8..64). At one row also the GEMV form (n_tile 1, 16 KB
+    chunks): m_tile 4 / 8 / 16 / 32 (8 / 16 when ``quick``), split 1 / 2 / 4, 3 or 4 chunks
+    in flight (3 when ``quick``), 4 or 8 warps (8 when ``quick``), as
+    ``[m_tile, 1, split, chunks, 0, warps]``."""
     n_tile = max(8, min(64, 1 << max(0, (rows - 1).bit_length())))
-    out = []
+    out: list[tuple[int, ...]] = []
     for m_tile in ((64, 128) if quick else (32, 64, 128)):
-        k_tile = 16384 // (2 * m_tile)
         for split in ((1, 2, 4) if quick else (1, 2, 4, 8)):
-            if split > 1 and k // split < 2 * k_tile:
+            if split > 1 and k // split < 2 * _k_tile(m_tile):
                 continue
             for stages in ((4,) if quick else (4, 6)):
                 out.append((m_tile, n_tile, split, stages))
+    if rows == 1:
+        for m_tile in ((8, 16) if quick else (4, 8, 16, 32)):
+            for split in (1, 2, 4):
+                if split > 1 and k // split < 2 * _k_tile(m_tile):
+                    continue
+                for depth in ((3,) if quick else (3, 4)):
+                    for warps in ((8,) if quick else (4, 8)):
+                        out.append((m_tile, 1, split, depth, 0, warps))
     return out
+
+
+def _k_tile(m_tile: int) -> int:
+    """The K extent of a 16 KB BF16 weight tile of ``m_tile`` rows (the kernels' default)."""
+    return 16384 // (2 * m_tile)
 
 
 def _copies(weight_bytes: int) -> int:
@@ -128,7 +142,7 @@ def time_launches(launches: Sequence[Callable[[], None]], repeats: int = 3,
     return statistics.median(times)
 
 
-def measure(shape: ProjShape, rows: int, tactics: Iterable[tuple[int, int, int, int]],
+def measure(shape: ProjShape, rows: int, tactics: Iterable[tuple[int, ...]],
             device: torch.device, seed: int = 0) -> Measurement:
     """Time cuBLAS and each split-K tactic on ``shape`` at ``rows`` rows."""
     from stepgraph.runtime.kernels.splitk_gemm import SplitKGemm, SplitKTactic

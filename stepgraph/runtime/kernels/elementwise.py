@@ -26,6 +26,7 @@ FUSED_WARPS = 8
 FUSED_STAGES = 3  # chunks of the sweeps' loads in flight (Triton's loop pipelining)
 ROW_TILE = 32768  # sources x columns the one-tile fused kernel holds (64 registers a thread)
 ROW_WARPS = 16
+ROW_REGS = 128  # registers a thread may use: 16 warps fit one SM (ptxas alone chose 64 and spilled)
 
 
 def _warps(block: int) -> int:
@@ -211,9 +212,11 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     """One row of the fused AttnRes step held whole in registers (an [S_PAD, BLOCK] tile of
     the sources): each source read once, the prefix and the normed mix written once, no
     sweep rereads the row. The same roundings as :func:`_mix_norm_kernel` (the prefix and the
-    mix in their stored dtypes)."""
+    mix in their stored dtypes). Every row vector is a ``[1, BLOCK]`` tile of the sources'
+    layout, so that placing a source in the tile and reducing need no layout conversion
+    (each one a round trip through shared memory with barriers)."""
     row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)[None, :]
     mask = cols < H
     sel = tl.arange(0, S_PAD)[:, None]
     nq = (tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -227,20 +230,20 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     vals = tl.zeros([S_PAD, BLOCK], dtype=tl.float32)
     for i in tl.static_range(N_SRC - 1):
         v = tl.load(srcs[i] + row * strides[i] + cols, mask=mask, other=0.0).to(tl.float32)
-        vals = tl.where(sel == i, v[None, :], vals)
+        vals = tl.where(sel == i, v, vals)
     last = _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr, cols,
                        mask, N_SRC, N_DELTA)
-    vals = tl.where(sel == N_SRC - 1, last[None, :], vals)
-    dots = tl.sum(vals * nq[None, :], 1)
+    vals = tl.where(sel == N_SRC - 1, last, vals)
+    dots = tl.sum(vals * nq, 1)
     squares = tl.sum(vals * vals, 1)
     idx = tl.arange(0, S_PAD)
     logits = tl.where(idx < N_SRC, dots * tl.rsqrt(squares / H + eps), float("-inf"))
     p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
-    mixed = tl.sum(vals * p[:, None], 0).to(out_ptr.dtype.element_ty).to(tl.float32)
-    scale = tl.rsqrt(tl.sum(mixed * mixed, 0) / H + norm_eps)
-    tl.store(out_ptr + row * stride_or + cols, (mixed * scale * w).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    mixed = tl.sum(vals * p[:, None], 0)[None, :].to(out_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(mixed * mixed, 1) / H + norm_eps)
+    tl.store(out_ptr + row * stride_or + cols,
+             (mixed * scale[:, None] * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows_of(name: str, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
@@ -391,7 +394,7 @@ class AttnResNorm:
                      USE_PDL=self.pdl, launch_pdl=self.pdl)
         if self.one_tile:
             _mix_norm_row_kernel[(rows,)](*rows_in, *sizes, BLOCK=self.block,
-                                          num_warps=ROW_WARPS, **shape)
+                                          num_warps=ROW_WARPS, maxnreg=ROW_REGS, **shape)
         else:
             _mix_norm_kernel[(rows,)](*rows_in, self.probs, *sizes, CHUNK=self.chunk,
                                       STAGES=FUSED_STAGES, num_warps=FUSED_WARPS, **shape)

@@ -44,6 +44,7 @@ from stepgraph.runtime.kernels.launch_utils import interpreting, next_pow2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+MERGE_TILE = 4096  # float32 partials one merge program loads at once (splits x columns)
 
 
 def pdl_flag(requested: bool) -> bool:
@@ -185,35 +186,40 @@ def _mla_partial_kernel(
 @triton.jit
 def _mla_merge_kernel(
     po_ptr, plse_ptr, out_ptr, out_row_stride, out_head_stride, lse_ptr, lse_row_stride,
-    H: tl.constexpr, LORA: tl.constexpr, BL: tl.constexpr, SPLITS: tl.constexpr,
+    H: tl.constexpr, LORA: tl.constexpr, BLC: tl.constexpr, SPLITS: tl.constexpr,
     BSP: tl.constexpr, HAS_LSE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """The LSE merge of one (row, head)'s splits (and its merged LSE when asked)."""
+    """The LSE merge of one (row, head)'s splits over ``BLC`` latent columns (and its merged
+    LSE when asked, by the first column block): every split's partial is one [BSP, BLC]
+    tile load, so the splits' loads are all in flight at once."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    lb = tl.program_id(2)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     first = (b.to(tl.int64) * H + h) * SPLITS
     sp = tl.arange(0, BSP)
-    lses = tl.load(plse_ptr + first + sp, mask=sp < SPLITS, other=float("-inf"))
+    dl = lb * BLC + tl.arange(0, BLC)
+    mask_l = dl < LORA
+    mask_s = sp < SPLITS
+    lses = tl.load(plse_ptr + first + sp, mask=mask_s, other=float("-inf"))
+    parts = tl.load(po_ptr + (first + sp)[:, None] * LORA + dl[None, :],
+                    mask=mask_s[:, None] & mask_l[None, :], other=0.0)
     m = tl.max(lses, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lses - m_safe), axis=0)
-    dl = tl.arange(0, BL)
-    mask_l = dl < LORA
-    acc = tl.zeros([BL], dtype=tl.float32)
-    for s in range(SPLITS):
-        weight = tl.exp(tl.load(plse_ptr + first + s) - m_safe)
-        part = tl.load(po_ptr + (first + s) * LORA + dl, mask=mask_l, other=0.0)
-        acc += weight * part
+    weights = tl.exp(lses - m_safe)
+    total = tl.sum(weights, axis=0)
+    acc = tl.sum(parts * weights[:, None], axis=0)
     filled = total > 0.0
     out = acc / tl.where(filled, total, 1.0)
     tl.store(out_ptr + b.to(tl.int64) * out_row_stride + h * out_head_stride + dl,
              out.to(out_ptr.dtype.element_ty), mask=mask_l)
-    if HAS_LSE:
-        lse = tl.where(filled, m_safe + tl.log(tl.where(filled, total, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b.to(tl.int64) * lse_row_stride + h, lse)
+    if HAS_LSE:  # noqa: SIM102 (the constexpr test apart: Triton folds it at compile time)
+        if lb == 0:
+            lse = tl.where(filled, m_safe + tl.log(tl.where(filled, total, 1.0)),
+                           float("-inf"))
+            tl.store(lse_ptr + b.to(tl.int64) * lse_row_stride + h, lse)
 
 
 # ---------------------------------------------------------------------------- DSA indexer
@@ -371,10 +377,12 @@ def launch_merge(partial_o, partial_lse, out, lse, *, pdl: bool = False) -> None
     ``lse`` [rows, H] float32 (unit last stride)."""
     rows, heads, splits, lora = partial_o.shape
     use_pdl = pdl_flag(pdl)
-    _mla_merge_kernel[(rows, heads)](
+    bsp = next_pow2(splits)
+    block_l = min(next_pow2(lora), max(16, MERGE_TILE // bsp))
+    _mla_merge_kernel[(rows, heads, triton.cdiv(lora, block_l))](
         partial_o, partial_lse, out, out.stride(0), out.stride(1),
         lse if lse is not None else partial_lse, lse.stride(0) if lse is not None else 0,
-        H=heads, LORA=lora, BL=next_pow2(lora), SPLITS=splits, BSP=next_pow2(splits),
+        H=heads, LORA=lora, BLC=block_l, SPLITS=splits, BSP=bsp,
         HAS_LSE=lse is not None, USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
     )
 

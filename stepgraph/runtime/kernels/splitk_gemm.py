@@ -55,6 +55,36 @@ def _gpu_fence(anchor):
 
 
 @triton.jit
+def _store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, tile, out_ptr, ws_ptr, sem_ptr,
+                R, N, stride_or, stride_on,
+                SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr):
+    """Write one output tile ``acc[w, r]`` (float32) of K split ``pid_s``: the output itself
+    with one split; else its float32 partial ``[split, R, N]``, and with ``FUSED`` the
+    tile's last split to finish (counter ``tile`` in ``sem_ptr``, left at zero again) sums
+    the partials in split order and writes the output."""
+    mask = w_rows[:, None] & x_rows[None, :]
+    if SPLIT == 1:
+        ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
+        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + (pid_s * R + offs_r[None, :]) * N + offs_w[:, None]
+        tl.store(ws, acc, mask=mask)
+        if FUSED:
+            if FENCE:
+                _gpu_fence(offs_w)
+            tl.debug_barrier()
+            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the other splits' partials are all stored
+                total = tl.zeros(acc.shape, dtype=tl.float32)
+                for s in tl.static_range(SPLIT):
+                    part = ws_ptr + (s * R + offs_r[None, :]) * N + offs_w[:, None]
+                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+                ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
+                tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
 def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                    R, N, K, tiles_per_split,
                    stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
@@ -121,27 +151,81 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                         mask=x_rows[None, :] & (kk < k_hi)[:, None], other=0.0)
         acc = mma(w, x, acc, DOT_F32)
 
-    mask = w_rows[:, None] & x_rows[None, :]
-    if SPLIT == 1:
-        ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws = ws_ptr + (pid_s * R + offs_r[None, :]) * N + offs_w[:, None]
-        tl.store(ws, acc, mask=mask)
-        if FUSED:
-            if FENCE:
-                _gpu_fence(offs_w)
-            tl.debug_barrier()
-            tile = pid_r * tl.num_programs(0) + pid_w
-            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:  # the other splits' partials are all stored
-                total = tl.zeros([BLOCK_W, BLOCK_R], dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    part = ws_ptr + (s * R + offs_r[None, :]) * N + offs_w[:, None]
-                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-                ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
-                tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+    _store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, pid_r * tl.num_programs(0) + pid_w,
+                out_ptr, ws_ptr, sem_ptr, R, N, stride_or, stride_on, SPLIT, FUSED, FENCE)
+
+
+@triton.jit
+def _w_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K: tl.constexpr):
+    """Chunk ``i`` of a GEMV program's weights ``[BLOCK_W, CHUNK_K]``; zeros (and no
+    traffic) past ``k_hi``."""
+    kk = k_lo + i * CHUNK_K + offs_k
+    return tl.load(w_base + kk[None, :] * stride_wk,
+                   mask=w_rows[:, None] & (kk < k_hi)[None, :], other=0.0)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
+                 R, N, K, chunks_per_split,
+                 stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
+                 BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, DEPTH: tl.constexpr,
+                 SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    """Partial (or whole) ``x[row] @ w.T`` of one weight tile and K split, for one batch row,
+    without the MMA: products accumulate in float32 registers, reduced once at the end.
+
+    Weight chunks ``[BLOCK_W, CHUNK_K]`` go straight from HBM to registers, ``DEPTH`` (2..4)
+    in flight: the first ``DEPTH - 1`` are loaded before ``gdc_wait()``, and each iteration
+    issues the load of chunk ``i + DEPTH - 1`` (and of the activations' next chunk) before
+    it multiplies chunk ``i``. No shared memory and no barrier in the loop, so a program
+    streams at its own pace. Each row of a bin re-reads the weights (through L2), so tables
+    give this form to one-row bins."""
+    pid_w = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    row = tl.program_id(2)
+    offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_k = tl.arange(0, CHUNK_K)
+    k_lo = pid_s * chunks_per_split * CHUNK_K
+    k_hi = k_lo + chunks_per_split * CHUNK_K
+    if k_hi > K:
+        k_hi = K
+    chunks = tl.cdiv(k_hi - k_lo, CHUNK_K)
+    w_rows = offs_w < N
+    w_base = w_ptr + offs_w[:, None] * stride_wn
+    x_base = x_ptr + row * stride_xr
+
+    w0 = _w_chunk(w_base, 0, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+    if DEPTH >= 3:
+        w1 = _w_chunk(w_base, 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+    if DEPTH >= 4:
+        w2 = _w_chunk(w_base, 2, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+    kx = k_lo + offs_k
+    x0 = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
+    acc = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
+    for i in range(0, chunks):
+        w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+        kx = k_lo + (i + 1) * CHUNK_K + offs_k
+        x_new = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
+        acc += w0.to(tl.float32) * x0.to(tl.float32)[None, :]
+        x0 = x_new
+        if DEPTH == 2:
+            w0 = w_new
+        elif DEPTH == 3:
+            w0 = w1
+            w1 = w_new
+        else:
+            w0 = w1
+            w1 = w2
+            w2 = w_new
+    offs_r = row + tl.arange(0, 1)
+    part = tl.sum(acc, axis=1)[:, None]
+    _store_tile(part, offs_w, offs_r, w_rows, offs_r < R, pid_s,
+                row * tl.num_programs(0) + pid_w, out_ptr, ws_ptr, sem_ptr, R, N,
+                stride_or, stride_on, SPLIT, FUSED, FENCE)
 
 
 @triton.jit
@@ -168,7 +252,9 @@ class SplitKTactic:
     """A split-K tactic: ``m_tile`` weight rows and ``n_tile`` batch rows a program,
     ``split`` K splits, ``stages`` pipeline stages; ``k_tile`` (0: 16 KB weight tiles),
     ``warps``, ``pre`` (weight tiles loaded before the PDL wait) and ``fused`` (1: the last
-    split of a tile reduces; 0: a reduction launch) refine it."""
+    split of a tile reduces; 0: a reduction launch) refine it. ``n_tile`` 1 is the GEMV form
+    (:func:`_gemv_kernel`: one batch row a program, no MMA; ``stages`` 2..4 = weight chunks
+    in flight, the first ``stages - 1`` before the PDL wait; ``pre`` unused)."""
 
     m_tile: int = 128
     n_tile: int = 16
@@ -182,8 +268,12 @@ class SplitKTactic:
     @classmethod
     def from_mapping(cls, tactic: Mapping[str, Any] | None, rows: int) -> SplitKTactic:
         """The tactic of a bin decision (``{m_tile, n_tile, split, stages}``, optional
-        ``k_tile``, ``warps``, ``pre``); an empty mapping gives a default for ``rows``."""
+        ``k_tile``, ``warps``, ``pre``); an empty mapping gives a default for ``rows``: the
+        GEMV form at one row (faster than the MMA form at every K3 shape measured, see
+        docs/perf.md), else an MMA tile of the rows."""
         if not tactic:
+            if rows == 1:
+                return cls(m_tile=16, n_tile=1, stages=3, warps=8)
             return cls(n_tile=min(64, max(16, next_pow2(rows))))
         known = {f: int(tactic[f]) for f in cls.__dataclass_fields__ if f in tactic}
         return cls(**known)
@@ -202,6 +292,7 @@ class SplitKPlan:
     warps: int
     pre: int
     grid: tuple[int, int, int]
+    gemv: bool = False
 
 
 def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
@@ -210,10 +301,15 @@ def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
     for name in ("m_tile", "n_tile", "split", "stages"):
         if getattr(tactic, name) < 1:
             raise UserError(f"split-K tactic {tactic}: {name} must be positive")
-    block_w = max(16, next_pow2(tactic.m_tile))
-    block_r = max(16, min(next_pow2(tactic.n_tile), next_pow2(rows)))
-    block_k = tactic.k_tile or min(256, max(32, 16384 // (2 * block_w)))
-    block_k = max(16, next_pow2(block_k))
+    gemv = tactic.n_tile == 1
+    if gemv:
+        block_w, block_r = next_pow2(tactic.m_tile), 1
+        block_k = next_pow2(tactic.k_tile or max(64, 16384 // (2 * block_w)))
+    else:
+        block_w = max(16, next_pow2(tactic.m_tile))
+        block_r = max(16, min(next_pow2(tactic.n_tile), next_pow2(rows)))
+        block_k = tactic.k_tile or min(256, max(32, 16384 // (2 * block_w)))
+        block_k = max(16, next_pow2(block_k))
     split = max(1, min(tactic.split, triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
@@ -222,8 +318,10 @@ def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
     # sm_90 compiles of the H200 table's tactics): cap the stages to fit.
     stages = max(1, min(tactic.stages, SMEM_LIMIT // stage_bytes - 1))
     grid = (triton.cdiv(n, block_w), split, triton.cdiv(rows, block_r))
+    if gemv:
+        stages = max(2, min(4, tactic.stages))  # chunks in flight, in registers
     return SplitKPlan(block_w, block_r, block_k, split, k_per_split, stages,
-                      max(1, tactic.warps), max(1, min(2, tactic.pre)), grid)
+                      max(1, tactic.warps), max(1, min(2, tactic.pre)), grid, gemv)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -267,14 +365,24 @@ class SplitKGemm:
         p, x, w, out = self.plan, self.x, self.w, self.out
         if self.rows == 0:
             return
-        _splitk_kernel[p.grid](
-            x, w, out, self.ws, self.sem, self.rows, self.n, self.k,
-            p.k_per_split // p.block_k,
-            x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            BLOCK_W=p.block_w, BLOCK_R=p.block_r, BLOCK_K=p.block_k, SPLIT=p.split,
-            PRE=p.pre, EVEN_K=self.k % p.block_k == 0, FUSED=self.fused,
-            FENCE=not interpreting(), USE_PDL=self.pdl, DOT_F32=self.dot_f32,
-            num_warps=p.warps, num_stages=p.stages, launch_pdl=self.pdl)
+        if p.gemv:
+            _gemv_kernel[p.grid](
+                x, w, out, self.ws, self.sem, self.rows, self.n, self.k,
+                p.k_per_split // p.block_k,
+                x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0),
+                out.stride(1), BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
+                SPLIT=p.split,
+                FUSED=self.fused, FENCE=not interpreting(), USE_PDL=self.pdl,
+                num_warps=p.warps, num_stages=1, launch_pdl=self.pdl)
+        else:
+            _splitk_kernel[p.grid](
+                x, w, out, self.ws, self.sem, self.rows, self.n, self.k,
+                p.k_per_split // p.block_k,
+                x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+                BLOCK_W=p.block_w, BLOCK_R=p.block_r, BLOCK_K=p.block_k, SPLIT=p.split,
+                PRE=p.pre, EVEN_K=self.k % p.block_k == 0, FUSED=self.fused,
+                FENCE=not interpreting(), USE_PDL=self.pdl, DOT_F32=self.dot_f32,
+                num_warps=p.warps, num_stages=p.stages, launch_pdl=self.pdl)
         if p.split > 1 and not self.fused:
             grid = (triton.cdiv(self.n, REDUCE_BLOCK), self.rows)
             _splitk_reduce_kernel[grid](

@@ -32,6 +32,7 @@ def _projection(ctx: PrepareContext) -> Launch:
 
 register("projection", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)
 register("o_proj", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)
+register("lm_head", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)
 
 
 def down_tactic(up: SplitKTactic, up_k: int, down_k: int) -> SplitKTactic:

@@ -1,8 +1,9 @@
 """MLA providers: ``triton_splitkv`` for ``mla_core`` (cache write, split-KV partial
 attention, LSE merge: :mod:`stepgraph.runtime.kernels.mla`), with DCP's two outputs (the
 rank's o_latent and LSE, merged over its splits, not across ranks); ``triton`` for
-``mla_query`` (q_a's RMSNorm in Triton, q_b as one torch matmul (cuBLAS), the W_UK absorption
-and the rope part in Triton; DSA's indexer query as one torch matmul) and ``mla_value``
+``mla_query`` (q_a's RMSNorm in Triton, q_b as one split-K launch (PDL, the GEMV form at one
+row), the W_UK absorption and the rope part in Triton; DSA's indexer query as one torch
+matmul) and ``mla_value``
 (W_UV and the output gate in one Triton kernel).
 
 ``dsa_core`` (``triton_sparse``): the latent and indexer-key cache writes, the indexer's
@@ -32,6 +33,7 @@ import torch
 from stepgraph.errors import UserError
 from stepgraph.runtime.kernels import mla as kernels
 from stepgraph.runtime.kernels.launch_utils import dot_in_f32, interpreting, pdl_allowed, scratch
+from stepgraph.runtime.kernels.splitk_gemm import SplitKGemm, SplitKTactic
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
 
 DEVICES = ("cuda", "cpu") if interpreting() else ("cuda",)
@@ -192,9 +194,12 @@ def mla_query_launch(attrs: dict[str, Any], ins: list[torch.Tensor], outs: list[
         query = scratch(device, "mla.q", rows * q_b.shape[0], act).view(rows, -1)
         eps = float(attrs["eps"])
 
+        q_b_gemm = SplitKGemm(q_resid, q_b, query, SplitKTactic.from_mapping(None, rows),
+                              pdl=pdl)
+
         def project() -> None:
             kernels.launch_rmsnorm_rows(q_a, q_norm, q_resid, eps=eps, pdl=use_pdl)
-            torch.matmul(q_resid, q_b.t(), out=query)
+            q_b_gemm()
     else:
         (query,) = ins
         query, fill = last_dim_operand(query, "q")

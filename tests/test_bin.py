@@ -103,7 +103,7 @@ def test_one_row_takes_the_measured_gemv_form_at_the_k3_tp8_shapes() -> None:
     for n, m_tile in ((6288, 8), (3648, 16)):
         decision = _decide(n, 8, [1])[1]
         assert decision["provider"] == "splitk"
-        assert decision["tactic"] == {"m_tile": m_tile, "n_tile": 1, "split": 1, "stages": 3,
+        assert decision["tactic"] == {"m_tile": m_tile, "n_tile": 1, "split": 1, "stages": 2,
                                       "k_tile": 0, "warps": 8}, n
         assert "GEMV form measured on NVIDIA H200" in decision["reason"]
 
@@ -139,7 +139,7 @@ def test_k3_at_tp8_finds_the_seeded_row_for_the_packed_kda_projection() -> None:
     assert len(names) == 1
     decisions = graph.meta["decisions"][names[0]]
     assert {int(r): _tactic(d) for r, d in decisions.items()} == {
-        1: (8, 1, 1, 3), 2: (128, 8, 2, 6), 4: (128, 8, 2, 6), 8: (128, 8, 2, 6),
+        1: (8, 1, 1, 2), 2: (128, 8, 2, 6), 4: (128, 8, 2, 6), 8: (128, 8, 2, 6),
         16: (128, 16, 2, 6), 32: (128, 32, 2, 5), 64: (64, 64, 1, 6)}
 
 

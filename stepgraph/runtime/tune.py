@@ -85,9 +85,10 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
     """The split-K grid tried at ``rows``: m_tile 32 / 64 / 128 (64 / 128 when ``quick``),
     split 1..8 (while each split keeps at least two K tiles), stages 4 / 6 (4 only when
     ``quick``); n_tile = the rows (8..64). At one row also the GEMV form (n_tile 1, 16 KB
-    chunks): m_tile 4 / 8 / 16 / 32 (8 / 16 when ``quick``), split 1 / 2 / 4, 3 or 4 chunks
-    in flight (3 when ``quick``), 4 or 8 warps (8 when ``quick``), as
-    ``[m_tile, 1, split, chunks, 0, warps]``."""
+    chunks): m_tile 4 / 8 / 16 / 32 (8 / 16 when ``quick``), split 1 / 2 / 4, 2 or 3 chunks
+    in flight (2 when ``quick``), 4 or 8 warps (8 when ``quick``), as
+    ``[m_tile, 1, split, chunks, 0, warps]``. Launches timed alone back to back favour 3
+    chunks; inside the step 2 measured faster (docs/perf.md): check a table in the step."""
     n_tile = max(8, min(64, 1 << max(0, (rows - 1).bit_length())))
     out: list[tuple[int, ...]] = []
     for m_tile in ((64, 128) if quick else (32, 64, 128)):
@@ -101,7 +102,7 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
             for split in (1, 2, 4):
                 if split > 1 and k // split < 2 * _k_tile(m_tile):
                     continue
-                for depth in ((3,) if quick else (3, 4)):
+                for depth in ((2,) if quick else (2, 3)):
                     for warps in ((8,) if quick else (4, 8)):
                         out.append((m_tile, 1, split, depth, 0, warps))
     return out

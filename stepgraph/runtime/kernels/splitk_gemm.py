@@ -273,7 +273,7 @@ class SplitKTactic:
         docs/perf.md), else an MMA tile of the rows."""
         if not tactic:
             if rows == 1:
-                return cls(m_tile=16, n_tile=1, stages=3, warps=8)
+                return cls(m_tile=16, n_tile=1, stages=2, warps=8)
             return cls(n_tile=min(64, max(16, next_pow2(rows))))
         known = {f: int(tactic[f]) for f in cls.__dataclass_fields__ if f in tactic}
         return cls(**known)

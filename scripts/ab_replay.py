@@ -38,11 +38,13 @@ def main() -> int:
             for spec in args.artifacts]
     artifacts = [load_artifact(path) for path in paths]
     weights = device_random_weights(artifacts[0].graph, 0)
+    sets = 4  # input sets the timing rotates over, each with its own requests' slots
+    requests = max(64, sets * max(rows_list))
     steps = []
     for artifact, env in zip(artifacts, envs, strict=True):
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
-        steps.append(load(artifact, weights=weights, device="cuda", max_requests=64,
+        steps.append(load(artifact, weights=weights, device="cuda", max_requests=requests,
                           max_context=args.context + 64, progress=False))
         for name, value in saved.items():
             if value is None:
@@ -53,7 +55,7 @@ def main() -> int:
     times: dict[tuple[str, int], list[float]] = {}
     for rows in rows_list:
         lim = steps[0].limits
-        feeds = build_feeds(rows, 1, 4, args.context, lim.block_size, lim.width, lim.vocab,
+        feeds = build_feeds(rows, 1, sets, args.context, lim.block_size, lim.width, lim.vocab,
                             rows)
         inputs = [StepInputs.from_feed(f) for f in feeds]
         for path, step in zip(args.artifacts, steps, strict=True):

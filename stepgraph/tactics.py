@@ -164,6 +164,10 @@ class TableFile(_Strict):
                 raise ValueError(f"op {op}: no tactic table {entry.table!r}")
             if table.provider not in entry.providers or table.default not in entry.providers:
                 raise ValueError(f"op {op}: table {entry.table} uses providers the op lacks")
+            if not 0 <= table.optional <= len(table.fields):
+                raise ValueError(f"tactics.{entry.table}: optional {table.optional} must be "
+                                 f"0..{len(table.fields)} (the number of trailing fields a bin "
+                                 "may leave out)")
             for index, row in enumerate(table.rows):
                 where = f"tactics.{entry.table}.rows[{index}]"
                 bad = sorted(set(row.match) - set(MATCH_KEYS))

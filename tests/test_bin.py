@@ -255,6 +255,7 @@ def test_targets_without_tables_use_the_default_file() -> None:
      "'stages', 'k_tile', 'warps'] (the last 2 optional)"),
     (lambda d: d["tactics"]["projection"]["rows"][0]["bins"].update({8: [1] * 7}),
      "7 numbers for fields"),
+    (lambda d: d["tactics"]["projection"].update(optional=-1), "optional -1 must be 0..6"),
     (lambda d: d["tactics"]["projection"]["rows"][0]["match"].update(heads=8),
      "unknown match keys"),
     (lambda d: d.update(colour="red"), "colour: unknown key"),

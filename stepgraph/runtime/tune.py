@@ -28,6 +28,7 @@ import yaml
 
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
+from stepgraph.runtime.kernels.launch_utils import tile_width
 
 PROJECTION_OPS = ("projection", "o_proj", "lm_head")
 GATED_MLP_OPS = ("shared_expert", "dense_mlp")
@@ -93,24 +94,19 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
     out: list[tuple[int, ...]] = []
     for m_tile in ((64, 128) if quick else (32, 64, 128)):
         for split in ((1, 2, 4) if quick else (1, 2, 4, 8)):
-            if split > 1 and k // split < 2 * _k_tile(m_tile):
+            if split > 1 and k // split < 2 * tile_width(m_tile):
                 continue
             for stages in ((4,) if quick else (4, 6)):
                 out.append((m_tile, n_tile, split, stages))
     if rows == 1:
         for m_tile in ((8, 16) if quick else (4, 8, 16, 32)):
             for split in (1, 2, 4):
-                if split > 1 and k // split < 2 * _k_tile(m_tile):
+                if split > 1 and k // split < 2 * tile_width(m_tile):
                     continue
                 for depth in ((2,) if quick else (2, 3)):
                     for warps in ((8,) if quick else (4, 8)):
                         out.append((m_tile, 1, split, depth, 0, warps))
     return out
-
-
-def _k_tile(m_tile: int) -> int:
-    """The K extent of a 16 KB BF16 weight tile of ``m_tile`` rows (the kernels' default)."""
-    return 16384 // (2 * m_tile)
 
 
 def _copies(weight_bytes: int) -> int:

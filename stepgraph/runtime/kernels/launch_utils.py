@@ -41,6 +41,15 @@ def pdl_allowed(wanted: bool, device: torch.device) -> bool:
     return major >= 9
 
 
+TILE_BYTES = 16384  # a weight tile (MMA form) or chunk (GEMV form) when a tactic sets no k_tile
+
+
+def tile_width(m_tile: int) -> int:
+    """The K extent of a :data:`TILE_BYTES` BF16 weight tile of ``m_tile`` rows (the split-K
+    kernels' default, and the tuner's unit for "at least two tiles a split")."""
+    return TILE_BYTES // (2 * m_tile)
+
+
 def next_pow2(value: int) -> int:
     """The smallest power of two >= ``value`` (1 for values below 2)."""
     return 1 if value <= 1 else 1 << (int(value) - 1).bit_length()

@@ -31,6 +31,7 @@ from stepgraph.runtime.kernels.launch_utils import (
     next_pow2,
     pdl_allowed,
     scratch,
+    tile_width,
 )
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use (H100/H200: 227 KB)
@@ -85,6 +86,17 @@ def _store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, tile, out_ptr, ws_pt
 
 
 @triton.jit
+def _k_range(pid_s, blocks_per_split, K, BLOCK: tl.constexpr):
+    """The K range ``[k_lo, k_hi)`` of split ``pid_s`` (``k_lo`` a multiple of ``BLOCK``:
+    aligned loads) and its number of ``BLOCK``-wide steps."""
+    k_lo = pid_s * blocks_per_split * BLOCK
+    k_hi = k_lo + blocks_per_split * BLOCK
+    if k_hi > K:
+        k_hi = K
+    return k_lo, k_hi, tl.cdiv(k_hi - k_lo, BLOCK)
+
+
+@triton.jit
 def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                    R, N, K, tiles_per_split,
                    stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
@@ -106,11 +118,7 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
-    k_lo = pid_s * tiles_per_split * BLOCK_K  # a multiple of BLOCK_K: aligned loads
-    k_hi = k_lo + tiles_per_split * BLOCK_K
-    if k_hi > K:
-        k_hi = K
-    tiles = tl.cdiv(k_hi - k_lo, BLOCK_K)
+    k_lo, k_hi, tiles = _k_range(pid_s, tiles_per_split, K, BLOCK_K)
     w_rows = offs_w < N
     x_rows = offs_r < R
     w_base = w_ptr + offs_w[:, None] * stride_wn
@@ -185,11 +193,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     row = tl.program_id(2)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_k = tl.arange(0, CHUNK_K)
-    k_lo = pid_s * chunks_per_split * CHUNK_K
-    k_hi = k_lo + chunks_per_split * CHUNK_K
-    if k_hi > K:
-        k_hi = K
-    chunks = tl.cdiv(k_hi - k_lo, CHUNK_K)
+    k_lo, k_hi, chunks = _k_range(pid_s, chunks_per_split, K, CHUNK_K)
     w_rows = offs_w < N
     w_base = w_ptr + offs_w[:, None] * stride_wn
     x_base = x_ptr + row * stride_xr
@@ -304,22 +308,20 @@ def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
     gemv = tactic.n_tile == 1
     if gemv:
         block_w, block_r = next_pow2(tactic.m_tile), 1
-        block_k = next_pow2(tactic.k_tile or max(64, 16384 // (2 * block_w)))
+        block_k = next_pow2(tactic.k_tile or max(64, tile_width(block_w)))
+        stages = max(2, min(4, tactic.stages))  # chunks in flight, in registers
     else:
         block_w = max(16, next_pow2(tactic.m_tile))
         block_r = max(16, min(next_pow2(tactic.n_tile), next_pow2(rows)))
-        block_k = tactic.k_tile or min(256, max(32, 16384 // (2 * block_w)))
-        block_k = max(16, next_pow2(block_k))
+        block_k = max(16, next_pow2(tactic.k_tile or min(256, max(32, tile_width(block_w)))))
+        # Triton's pipeliner keeps stages + 1 tiles of w and x in shared memory (checked on
+        # sm_90 compiles of the H200 table's tactics): cap the stages to fit.
+        stage_bytes = (block_w + block_r) * block_k * 2
+        stages = max(1, min(tactic.stages, SMEM_LIMIT // stage_bytes - 1))
     split = max(1, min(tactic.split, triton.cdiv(k, block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     split = triton.cdiv(k, k_per_split)
-    stage_bytes = (block_w + block_r) * block_k * 2
-    # Triton's pipeliner keeps stages + 1 tiles of w and x in shared memory (checked on
-    # sm_90 compiles of the H200 table's tactics): cap the stages to fit.
-    stages = max(1, min(tactic.stages, SMEM_LIMIT // stage_bytes - 1))
     grid = (triton.cdiv(n, block_w), split, triton.cdiv(rows, block_r))
-    if gemv:
-        stages = max(2, min(4, tactic.stages))  # chunks in flight, in registers
     return SplitKPlan(block_w, block_r, block_k, split, k_per_split, stages,
                       max(1, tactic.warps), max(1, min(2, tactic.pre)), grid, gemv)
 
@@ -365,24 +367,19 @@ class SplitKGemm:
         p, x, w, out = self.plan, self.x, self.w, self.out
         if self.rows == 0:
             return
+        args = (x, w, out, self.ws, self.sem, self.rows, self.n, self.k,
+                p.k_per_split // p.block_k, x.stride(0), x.stride(1), w.stride(0), w.stride(1),
+                out.stride(0), out.stride(1))
+        common = dict(SPLIT=p.split, FUSED=self.fused, FENCE=not interpreting(),
+                      USE_PDL=self.pdl, num_warps=p.warps, launch_pdl=self.pdl)
         if p.gemv:
-            _gemv_kernel[p.grid](
-                x, w, out, self.ws, self.sem, self.rows, self.n, self.k,
-                p.k_per_split // p.block_k,
-                x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0),
-                out.stride(1), BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
-                SPLIT=p.split,
-                FUSED=self.fused, FENCE=not interpreting(), USE_PDL=self.pdl,
-                num_warps=p.warps, num_stages=1, launch_pdl=self.pdl)
+            _gemv_kernel[p.grid](*args, BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
+                                 num_stages=1, **common)
         else:
-            _splitk_kernel[p.grid](
-                x, w, out, self.ws, self.sem, self.rows, self.n, self.k,
-                p.k_per_split // p.block_k,
-                x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-                BLOCK_W=p.block_w, BLOCK_R=p.block_r, BLOCK_K=p.block_k, SPLIT=p.split,
-                PRE=p.pre, EVEN_K=self.k % p.block_k == 0, FUSED=self.fused,
-                FENCE=not interpreting(), USE_PDL=self.pdl, DOT_F32=self.dot_f32,
-                num_warps=p.warps, num_stages=p.stages, launch_pdl=self.pdl)
+            _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,
+                                   BLOCK_K=p.block_k, PRE=p.pre,
+                                   EVEN_K=self.k % p.block_k == 0, DOT_F32=self.dot_f32,
+                                   num_stages=p.stages, **common)
         if p.split > 1 and not self.fused:
             grid = (triton.cdiv(self.n, REDUCE_BLOCK), self.rows)
             _splitk_reduce_kernel[grid](

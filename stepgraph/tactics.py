@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stepgraph.errors import UserError
 from stepgraph.ir.ops import OPS
@@ -73,9 +73,11 @@ class PrefetchRule(_Strict):
 
 class StreamRule(_Strict):
     """Ops the streams pass runs on a side stream, beside the main launch chain (none: one
-    stream)."""
+    stream); ``join_lead``: join that many main-stream launches before the first reader
+    (the launch carrying the join cannot start early under PDL)."""
 
     side_ops: tuple[str, ...] = ()
+    join_lead: int = Field(default=0, ge=0)
     source: str = "no side stream"
 
 

@@ -327,6 +327,19 @@ def sm90_small_ops() -> None:
                 print(f"{c.name} width={width}: {c.regs} regs, {c.spills} B spilled")
                 assert c.spills == 0, f"{c.name} width={width}: spills {c.spills} bytes"
                 assert "griddepcontrol.wait" in c.ptx, f"{c.name}: no PDL wait"
+        # the one-tile mix with its sources readable before the wait loads them there
+        for sources, deltas in ((2, 2), (3, 1)):
+            loads = []
+            for pre in (False, True):
+                mix = AttnResNorm([x] * sources, [x] * deltas, w, w, w, _meta(64, width),
+                                  _meta(64, width), 1e-6, 1e-5)
+                mix.pdl, mix.pre_sources = True, pre
+                (c,) = sm90_compiles(mix)
+                assert c.spills == 0, f"pre-wait sources, width={width}: spills {c.spills}"
+                loads.append(c.ptx[:c.ptx.index("griddepcontrol.wait")].count("ld.global"))
+            print(f"attn_res_norm {sources}+{deltas} width={width}: loads before the wait "
+                  f"{loads[0]} -> {loads[1]}")
+            assert loads[1] > loads[0], f"width={width}: no source loads before the wait"
 
 
 # ----------------------------------------------------------------------------- CPU tests

@@ -3,6 +3,7 @@ fork points, and the ablation switch."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from stepgraph.ir.values import Segment, Value
 from stepgraph.ir.verify import verify
 from stepgraph.passes.bin import Bin
 from stepgraph.passes.manager import CompileContext, run_pipeline
-from stepgraph.passes.pdl import Pdl
+from stepgraph.passes.pdl import Pdl, pre_wait_inputs
 from stepgraph.spec import Deployment
 from stepgraph.spec_loader import load_spec
 from stepgraph.tactics import TABLES_DIR, load_tables
@@ -262,3 +263,55 @@ def test_every_node_has_a_mark_and_a_decision(name: str) -> None:
     graph = _compiled(name, [Bin(), Pdl()])
     assert set(graph.meta["pdl"]) == {n.name for n in graph}
     assert set(graph.meta["decisions"]) == {n.name for n in graph}
+
+
+def test_pre_wait_inputs_leave_out_what_the_predecessor_writes() -> None:
+    """A launch may read before its wait what launches before its predecessor wrote (they
+    have completed once the predecessor passed its own wait), never the predecessor's
+    output: norm0 -> norm1 -> add(a, a2) may preload ``a`` but not ``a2``."""
+    g = _chain_graph()
+    g.add_value(Value("s", TensorType(("B", 7168), "bfloat16"), Storage.TEMP))
+    nodes = list(g)
+    add = Node("add", "add", ("a", "a2"), ("s",))
+    g.set_nodes([*nodes[:2], add, *nodes[2:]])
+    safe = pre_wait_inputs(g, list(g), {})
+    assert safe["add"] == ["a"]
+    assert safe["norm1"] == ["n_w"]  # norm0 wrote a, the predecessor's output
+    assert safe["norm0"] == ["x", "n_w"]  # a step input and a weight
+
+
+def test_k3_mixes_preload_their_sources_and_never_a_fresh_output() -> None:
+    """On k3-rank-tp8: every input a PDL launch may read before its wait was written by no
+    launch, by a main-stream launch before its predecessor, or by a side branch joined at or
+    before it; every AttnRes mix after the first layer may preload all its sources (the
+    fresh deltas wait)."""
+    spec = load_spec(MODELS / "k3_rank_tp8.yaml")
+    graph, _ = compile_graph(spec, spec.deployment)
+    side = graph.meta["streams"]["side"]
+    order = [n.name for n in graph]
+    main = [n for n in graph if n.name not in side]
+    preloading = 0
+    for previous, node in pairwise(main):
+        mark = graph.meta["pdl"][node.name]
+        if not mark["pdl"]:
+            continue
+        here = order.index(node.name)
+        for name in mark["pre_wait_inputs"]:
+            writers = [i for i, n in enumerate(graph.nodes[:here])
+                       if graph.root(name) in {graph.root(o) for o in (*n.outputs, *n.updates)}]
+            if not writers:
+                continue
+            writer = graph.nodes[writers[-1]]
+            assert writer.name != previous.name, (node.name, name)
+            if writer.name in side:
+                assert order.index(side[writer.name]) <= here, (node.name, name)
+        if node.op == "attn_res_norm":
+            fresh = {name for name in node.inputs
+                     if graph.root(name) in {graph.root(o) for o in previous.outputs}}
+            assert fresh and not fresh & set(mark["pre_wait_inputs"]), node.name
+            sources = set(node.inputs[:int(node.attrs["sources"])])
+            assert sources - fresh <= set(mark["pre_wait_inputs"]), node.name
+            preloading += not sources & fresh
+    # 24 mixes (layer 0 has no attention mix; the final one): all but layer 0's MLP mix and
+    # layer 11's (a new AttnRes block: the o-projection's fresh output is a source there)
+    assert preloading == 24 - 2

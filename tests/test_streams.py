@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import MODELS
 
 from stepgraph.compiler import compile_graph
@@ -33,10 +34,13 @@ def _roots(graph: Graph, names: tuple[str, ...]) -> set[str]:
 
 def test_shared_experts_fork_after_their_input_and_join_before_their_reader() -> None:
     """k3-rank-tp8 on the H200: every shared expert runs on the side stream, right after the
-    node writing its input, and joins before the first node reading its output (the next
-    layer's AttnRes); nothing between reads that output."""
+    node writing its input, and joins ``join_lead`` (the table's 2) main-stream launches
+    before the first node reading its output (the next layer's AttnRes); nothing between
+    the fork and that reader reads the output."""
     graph = _compiled("k3_rank_tp8.yaml")
     side = graph.meta["streams"]["side"]
+    lead = graph.meta["streams"]["join_lead"]
+    assert lead == 2
     shared = [n.name for n in graph if n.op == "shared_expert"]
     assert sorted(side) == sorted(shared) and len(shared) == 12
     order = [n.name for n in graph]
@@ -46,13 +50,37 @@ def test_shared_experts_fork_after_their_input_and_join_before_their_reader() ->
         before = graph.nodes[at - 1]
         assert _roots(graph, node.inputs) & _roots(graph, before.outputs), name
         assert join is not None
-        joined = order.index(join)
         outputs = _roots(graph, node.outputs)
-        assert outputs & _roots(graph, graph.node(join).inputs)
-        for between in graph.nodes[at + 1:joined]:
+        reader = next(i for i in range(at + 1, len(order))
+                      if outputs & _roots(graph, graph.nodes[i].inputs))
+        main = [i for i in range(at + 1, reader + 1) if order[i] not in side]
+        assert order.index(join) == main[-1 - lead], (name, join)
+        assert graph.node(join).op == "rmsnorm"  # the MoE tail's latent norm
+        for between in graph.nodes[at + 1:reader]:
             assert not outputs & _roots(graph, between.inputs), (name, between.name)
         # the branch overlaps the routed path: the router runs between fork and join
-        assert any(n.op == "router" for n in graph.nodes[at + 1:joined])
+        assert any(n.op == "router" for n in graph.nodes[at + 1:order.index(join)])
+
+
+def test_join_lead_zero_joins_at_the_reader(tmp_path: Path) -> None:
+    """A table with ``join_lead: 0`` joins each branch right before its first reader, and a
+    lead longer than the window stops at the launch right after the branch."""
+    data = yaml.safe_load((TABLES_DIR / "h200.yaml").read_text())
+    for lead, expect in ((0, "attn_res_norm"), (99, "projection")):
+        data["streams"]["join_lead"] = lead
+        path = tmp_path / f"lead{lead}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        spec = load_spec(MODELS / "k3_rank_tp8.yaml")
+        deployment = override_deployment(spec.deployment, target="h200")
+        graph, _ = compile_graph(spec, deployment, tables_path=path)
+        side = graph.meta["streams"]["side"]
+        order = [n.name for n in graph]
+        for name, join in side.items():
+            if join is None:
+                continue
+            assert graph.node(join).op == expect, (lead, name, join)
+            if lead:
+                assert order.index(join) == order.index(name) + 1
 
 
 def test_no_streams_keeps_program_order() -> None:

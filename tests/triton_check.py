@@ -88,6 +88,7 @@ class FakeContext:
     device: Any
     pdl: bool = False
     tactic: dict[str, Any] = field(default_factory=dict)
+    pre_wait: frozenset[str] = frozenset()
 
     def tensor(self, name: str) -> Any:
         """The bound tensor of ``name``."""

@@ -34,7 +34,11 @@ warming the next streaming launch's first ``fork_budget_bytes``. The runtime run
 side stream, outside the PDL chain; the H200 table sets the budget to 0 (no forks): they
 measured slower there.
 
-``meta["pdl"][node] = {"pdl", "reason", "prefetch_bytes"}`` (+ ``off_bins``: {rows: why});
+Pre-wait inputs (``pre_wait_inputs``, :func:`pre_wait_inputs`): the inputs a PDL launch may
+read before its wait besides weights, e.g. an AttnRes mix's earlier sources.
+
+``meta["pdl"][node] = {"pdl", "reason", "prefetch_bytes"}`` (+ ``off_bins``: {rows: why};
+``pre_wait_inputs`` on PDL launches);
 ``meta["pdl_config"]`` records the options. With ``enabled=False`` (ablation) no node uses
 PDL, no fork is inserted, and every entry says the pass is disabled.
 """
@@ -222,6 +226,42 @@ def insert_forks_next(graph: Graph, nodes: list[Node], budget: int,
 # ----------------------------------------------------------------------------- marks
 
 
+def pre_wait_inputs(graph: Graph, nodes: list[Node],
+                    side: dict[str, str | None]) -> dict[str, list[str]]:
+    """Per main-stream launch, the inputs it may read before its PDL wait: those no launch
+    of the step writes before it (weights, step inputs, states from earlier steps), those
+    last written by a main-stream launch before its predecessor (a PDL launch starts only
+    once its predecessor has passed its own wait, so every earlier launch has completed),
+    and those of a side branch joined at or before it. What the predecessor writes, or a
+    branch joined later, is read only after the wait."""
+    position = {node.name: i for i, node in enumerate(nodes)}
+    last_writer: dict[str, int] = {}
+    previous: int | None = None
+    safe: dict[str, list[str]] = {}
+    for i, node in enumerate(nodes):
+        on_main = node.op != "prefetch" and node.name not in side
+        if on_main:
+            readable = []
+            for name in node.inputs:
+                writer = last_writer.get(graph.root(name))
+                if writer is None:
+                    readable.append(name)
+                    continue
+                if nodes[writer].name in side:
+                    join = side[nodes[writer].name]
+                    done = join is not None and position[join] <= i
+                else:
+                    done = previous is not None and writer < previous
+                if done:
+                    readable.append(name)
+            safe[node.name] = readable
+        for name in (*node.outputs, *node.updates):
+            last_writer[graph.root(name)] = i
+        if on_main:
+            previous = i
+    return safe
+
+
 def _structural(node: Node, previous: Node | None, host_ops: set[str]) -> str | None:
     """Why ``node`` cannot use PDL whatever the bin (None: it can)."""
     if previous is None:
@@ -296,6 +336,7 @@ class Pdl:
         bins = [str(e["rows"]) for e in g.meta.get("bins", [])]
         stock_bins = {str(e["rows"]) for e in g.meta.get("bins", []) if e.get("path") == STOCK}
         host_ops = {n.name for n in nodes if n.attrs.get("host_side")}
+        readable = pre_wait_inputs(g, nodes, g.meta.get("streams", {}).get("side", {}))
         cap = tables.pre_wait_bytes
         marks: dict[str, dict[str, Any]] = {}
         previous: Node | None = None
@@ -349,7 +390,8 @@ class Pdl:
                     if not bins:
                         reason += " (no bin decisions: provider support unchecked)"
                     entry = {"pdl": True, "reason": reason,
-                             "prefetch_bytes": pre_wait_bytes(g, node, cap, weight_bytes)}
+                             "prefetch_bytes": pre_wait_bytes(g, node, cap, weight_bytes),
+                             "pre_wait_inputs": readable.get(node.name, [])}
                     if off:
                         entry["off_bins"] = off
                     used += 1

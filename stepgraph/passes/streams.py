@@ -5,8 +5,11 @@ A decode step at few rows is one chain of launches, and most of them leave HBM p
 ``streams.side_ops`` (K3: the shared expert, which nothing on the routed path reads) is
 moved to run as early as its inputs allow, right after the last node writing one of them,
 and is marked to run on the device's side stream: the runtime forks it there and makes the
-main stream wait for it (a join) right before the first node that reads one of its outputs.
-Between the fork and the join its launches overlap the main chain's.
+main stream wait for it (a join) right before the first node that reads one of its outputs,
+or ``streams.join_lead`` main-stream launches before it (the launch that carries the join
+waits for the whole branch, so it cannot start early under PDL: a lead puts that cost on a
+launch with nothing to load before its wait, e.g. the MoE tail's norm instead of the next
+AttnRes mix). Between the fork and the join its launches overlap the main chain's.
 
 What may move: a compute node that updates no state, reads only values written before its
 new position (it moves earlier, never past a reader) and whose outputs nothing between its
@@ -49,13 +52,18 @@ def _earliest(graph: Graph, nodes: list[Node], index: int) -> int:
     return 0
 
 
-def _join_before(graph: Graph, nodes: list[Node], index: int) -> str | None:
-    """The first node after ``index`` that reads one of ``nodes[index]``'s outputs."""
+def _join_before(graph: Graph, nodes: list[Node], index: int, side: set[str],
+                 lead: int = 0) -> str | None:
+    """The node the side branch ``nodes[index]`` joins before: the first node after it that
+    reads one of its outputs, moved ``lead`` main-stream launches earlier (never onto the
+    branch itself or a launch before it; ``side``: the nodes already on the side stream)."""
     outputs = {graph.root(out) for out in nodes[index].outputs}
-    for node in nodes[index + 1:]:
-        if outputs & {graph.root(name) for name in node.inputs}:
-            return node.name
-    return None
+    reader = next((i for i in range(index + 1, len(nodes))
+                   if outputs & {graph.root(name) for name in nodes[i].inputs}), None)
+    if reader is None:
+        return None
+    main = [i for i in range(index + 1, reader + 1) if nodes[i].name not in side]
+    return nodes[main[max(0, len(main) - 1 - lead)]].name
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,8 @@ class Streams:
     def run(self, graph: Graph, ctx: CompileContext) -> PassResult:
         """Return a copy with side nodes moved and ``meta["streams"]`` set."""
         g = graph.copy()
-        side_ops = tables_for(g, ctx).streams.side_ops if self.enabled else ()
+        rule = tables_for(g, ctx).streams
+        side_ops = rule.side_ops if self.enabled else ()
         nodes = list(g)
         side: dict[str, str | None] = {}
         moved = kept = 0
@@ -79,7 +88,7 @@ class Streams:
             index = next(i for i, n in enumerate(nodes) if n is node)
             target = _earliest(g, nodes, index)
             trial = [*nodes[:target], node, *nodes[target:index], *nodes[index + 1:]]
-            join = _join_before(g, trial, target)
+            join = _join_before(g, trial, target, set(side), rule.join_lead)
             stop = next((i for i, n in enumerate(trial) if n.name == join), len(trial))
             if any(is_collective(n) for n in trial[target + 1:stop]):
                 kept += 1  # NCCL beside a side stream: not verified on two GPUs yet
@@ -88,7 +97,8 @@ class Streams:
             moved += target < index
             side[node.name] = join
         g.set_nodes(nodes)
-        g.meta["streams"] = {"side": side, "side_ops": list(side_ops)}
+        g.meta["streams"] = {"side": side, "side_ops": list(side_ops),
+                             "join_lead": rule.join_lead}
         if not self.enabled:
             return PassResult(g, False, "disabled (ablation): one stream")
         note = f"; {kept} kept on the main stream (a collective in their window)" if kept else ""

@@ -33,7 +33,9 @@ from stepgraph.runtime.side_stream import fork, join
 class BinContext:
     """What a provider factory sees for one node at one bin (a
     :class:`~stepgraph.runtime.providers.registry.PrepareContext`), plus the step's compute
-    ``dtype``, the ``graph`` and, for a multi-rank step, its communicator ``comm``."""
+    ``dtype``, the ``graph`` and, for a multi-rank step, its communicator ``comm``;
+    ``pre_wait``: the inputs it may read before its PDL wait (the pdl pass's
+    ``pre_wait_inputs``; empty without PDL)."""
 
     node: Node
     rows: int
@@ -44,6 +46,7 @@ class BinContext:
     graph: Graph
     bound: Mapping[str, torch.Tensor]
     comm: Communicator | None = None
+    pre_wait: frozenset[str] = frozenset()
 
     def tensor(self, name: str) -> torch.Tensor:
         """The bound tensor of value ``name``."""
@@ -109,6 +112,12 @@ def node_pdl(graph: Graph, node: Node, rows: int, enabled: bool) -> bool:
     return bool(entry.get("pdl")) and str(rows) not in entry.get("off_bins", {})
 
 
+def pre_wait_inputs(graph: Graph, node: Node) -> frozenset[str]:
+    """The inputs ``node`` may read before its PDL wait (the pdl pass's mark)."""
+    entry = graph.meta.get("pdl", {}).get(node.name) or {}
+    return frozenset(entry.get("pre_wait_inputs", ()))
+
+
 def prepare_node(ctx: BinContext, wanted: str | None, preference: Sequence[str],
                  registry: Registry = REGISTRY, allowed: Collection[str] | None = None
                  ) -> tuple[Launch, Choice]:
@@ -164,8 +173,9 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
     joins = {join for join in side.values() if join is not None}
     for node in graph:
         wanted, tactic = decision(graph, node, rows)
-        ctx = BinContext(node, rows, tactic, node_pdl(graph, node, rows, pdl), device, dtype,
-                         graph, bound, comm)
+        node_uses_pdl = node_pdl(graph, node, rows, pdl)
+        ctx = BinContext(node, rows, tactic, node_uses_pdl, device, dtype, graph, bound, comm,
+                         pre_wait_inputs(graph, node) if node_uses_pdl else frozenset())
         with scratch_namespace("side" if node.name in side else ""):
             launch, choice = prepare_node(ctx, wanted, preferences(node.op), registry,
                                           allowed)

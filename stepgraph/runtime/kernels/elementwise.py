@@ -124,6 +124,15 @@ def _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr
     sum is stored to ``prefix`` in its dtype and returned as stored; else the last source."""
     last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + offs, mask=mask,
                    other=0.0).to(tl.float32)
+    return _add_deltas(last, deltas, delta_strides, prefix_ptr, row, stride_pr, offs, mask,
+                       N_DELTA)
+
+
+@triton.jit
+def _add_deltas(last, deltas, delta_strides, prefix_ptr, row, stride_pr, offs, mask,
+                N_DELTA: tl.constexpr):
+    """``last`` (float32) plus the row's deltas at columns ``offs``: with deltas the sum is
+    stored to ``prefix`` in its dtype and returned as stored; else ``last``."""
     if N_DELTA > 0:
         for j in tl.static_range(N_DELTA):
             d = tl.load(deltas[j] + row * delta_strides[j] + offs, mask=mask, other=0.0)
@@ -205,16 +214,34 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
 
 
 @triton.jit
+def _row_sources(srcs, strides, row, cols, mask, sel, N_SRC: tl.constexpr,
+                 S_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's sources in float32: the earlier ones as rows of an ``[S_PAD, BLOCK]`` tile,
+    the last one as a ``[1, BLOCK]`` row (all loads issued before any store, which Triton
+    would keep them behind)."""
+    vals = tl.zeros([S_PAD, BLOCK], dtype=tl.float32)
+    for i in tl.static_range(N_SRC - 1):
+        v = tl.load(srcs[i] + row * strides[i] + cols, mask=mask, other=0.0).to(tl.float32)
+        vals = tl.where(sel == i, v, vals)
+    last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + cols, mask=mask,
+                   other=0.0).to(tl.float32)
+    return vals, last
+
+
+@triton.jit
 def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
                          prefix_ptr, H, stride_or, stride_pr, eps, norm_eps,
                          N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
-                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                         PRE_SOURCES: tl.constexpr):
     """One row of the fused AttnRes step held whole in registers (an [S_PAD, BLOCK] tile of
     the sources): each source read once, the prefix and the normed mix written once, no
     sweep rereads the row. The same roundings as :func:`_mix_norm_kernel` (the prefix and the
     mix in their stored dtypes). Every row vector is a ``[1, BLOCK]`` tile of the sources'
     layout, so that placing a source in the tile and reducing need no layout conversion
-    (each one a round trip through shared memory with barriers)."""
+    (each one a round trip through shared memory with barriers). ``PRE_SOURCES``: the
+    sources were written by launches that have completed when this one starts (the pdl
+    pass's ``pre_wait_inputs``), so they load before the PDL wait; only the deltas after."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)[None, :]
     mask = cols < H
@@ -222,17 +249,15 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     nq = (tl.load(q_ptr + cols, mask=mask, other=0.0).to(tl.float32)
           * tl.load(n_ptr + cols, mask=mask, other=0.0).to(tl.float32))
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if PRE_SOURCES:
+        vals, last = _row_sources(srcs, strides, row, cols, mask, sel, N_SRC, S_PAD, BLOCK)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    # The earlier sources load before the prefix is stored: their loads then overlap the
-    # prefix's instead of waiting behind its store (Triton keeps loads after a store).
-    vals = tl.zeros([S_PAD, BLOCK], dtype=tl.float32)
-    for i in tl.static_range(N_SRC - 1):
-        v = tl.load(srcs[i] + row * strides[i] + cols, mask=mask, other=0.0).to(tl.float32)
-        vals = tl.where(sel == i, v, vals)
-    last = _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr, cols,
-                       mask, N_SRC, N_DELTA)
+    if not PRE_SOURCES:
+        vals, last = _row_sources(srcs, strides, row, cols, mask, sel, N_SRC, S_PAD, BLOCK)
+    last = _add_deltas(last, deltas, delta_strides, prefix_ptr, row, stride_pr, cols, mask,
+                       N_DELTA)
     vals = tl.where(sel == N_SRC - 1, last, vals)
     dots = tl.sum(vals * nq, 1)
     squares = tl.sum(vals * vals, 1)
@@ -349,12 +374,13 @@ class AttnResNorm:
     and that prefix with ``query`` and ``mix_norm``, then RMSNorm with ``weight`` into
     ``out``. One launch, one program a row: the whole row in registers where the sources x
     columns fit :data:`ROW_TILE` (K3: 2 or 3 sources of 7168), else three sweeps in column
-    chunks (``one_tile=False`` forces the sweeps)."""
+    chunks (``one_tile=False`` forces the sweeps). ``pre_sources``: the sources may be read
+    before the PDL wait (the one-tile form loads them there)."""
 
     def __init__(self, sources: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
                  query: torch.Tensor, mix_norm: torch.Tensor, weight: torch.Tensor,
                  out: torch.Tensor, prefix: torch.Tensor | None, eps: float, norm_eps: float,
-                 pdl: bool = False, one_tile: bool = True) -> None:
+                 pdl: bool = False, one_tile: bool = True, pre_sources: bool = False) -> None:
         if not 1 <= len(sources) <= MAX_SOURCES or len(deltas) > MAX_SOURCES:
             raise NotImplementedError(f"attn_res_norm: {len(sources)} sources, {len(deltas)} "
                                       f"deltas (1..{MAX_SOURCES} each)")
@@ -381,6 +407,7 @@ class AttnResNorm:
         self.probs = scratch(out.device, "attn_res_probs", out.shape[0] * self.s_pad,
                              torch.float32)
         self.pdl = pdl_allowed(pdl, out.device)
+        self.pre_sources = pre_sources and self.pdl
 
     def __call__(self) -> None:
         """Enqueue the launch."""
@@ -394,7 +421,8 @@ class AttnResNorm:
                      USE_PDL=self.pdl, launch_pdl=self.pdl)
         if self.one_tile:
             _mix_norm_row_kernel[(rows,)](*rows_in, *sizes, BLOCK=self.block,
-                                          num_warps=ROW_WARPS, maxnreg=ROW_REGS, **shape)
+                                          PRE_SOURCES=self.pre_sources, num_warps=ROW_WARPS,
+                                          maxnreg=ROW_REGS, **shape)
         else:
             _mix_norm_kernel[(rows,)](*rows_in, self.probs, *sizes, CHUNK=self.chunk,
                                       STAGES=FUSED_STAGES, num_warps=FUSED_WARPS, **shape)

@@ -30,6 +30,7 @@ class PrepareContext(Protocol):
     pdl: bool  # whether this launch may use programmatic dependent launch
     device: Any  # torch.device
     comm: Any  # stepgraph.runtime.comm.Communicator of a multi-rank step, else None
+    pre_wait: frozenset[str]  # inputs readable before the PDL wait (empty without PDL)
 
     def tensor(self, name: str) -> Any:
         """The bound tensor of a value (arena temp or view, weight, state, input, output)."""

@@ -103,15 +103,17 @@ def attn_res_mix(ctx: PrepareContext) -> Launch:
 @register("attn_res_norm", "triton",
           note="prefix sum + AttnRes mix + RMSNorm in one launch, one program a row, PDL")
 def attn_res_norm(ctx: PrepareContext) -> Launch:
-    """The fuse pass's node: prefix sum, AttnRes mix and RMSNorm in one kernel."""
+    """The fuse pass's node: prefix sum, AttnRes mix and RMSNorm in one kernel; the sources
+    load before the PDL wait when the pdl pass marks them all readable there."""
     attrs = ctx.node.attrs
     count, deltas = int(attrs["sources"]), int(attrs["deltas"])
     ins = ctx.inputs()
     outs = ctx.outputs()
     query, mix_norm, weight = ins[count + deltas:]
+    early = all(name in ctx.pre_wait for name in ctx.node.inputs[:count])
     return AttnResNorm(ins[:count], ins[count:count + deltas], query, mix_norm, weight,
                        outs[0], outs[1] if deltas else None, attrs["eps"],
-                       attrs["norm_eps"], pdl=ctx.pdl)
+                       attrs["norm_eps"], pdl=ctx.pdl, pre_sources=early)
 
 
 @register("router", "triton", note="scores + biased top-k + renormalise in one kernel, PDL")

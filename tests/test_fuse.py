@@ -44,8 +44,10 @@ def test_every_k3_mix_fuses_with_its_norm_and_adds() -> None:
     assert before["attn_res_mix"] == after["attn_res_norm"] == 2 * 92 + 1 + 1
     assert after["attn_res_mix"] == 0
     # every rmsnorm behind a mix went; layer 0's input norm (of the embedding itself) and
-    # the MoE latent norms stay
-    assert before["rmsnorm"] - after["rmsnorm"] == before["attn_res_mix"]
+    # the MoE latent norms became their projections' input norms (one world: not sharded)
+    assert after["rmsnorm"] == 0
+    normed = [n for n in fused if "input_norm_eps" in n.attrs]
+    assert len(normed) == before["rmsnorm"] - before["attn_res_mix"] == 92 + 1
     # every add went: each (binary) prefix-sum add, and the MoE's routed + shared add
     # flattened into it, is one delta of a fused node
     assert after["add"] == 0
@@ -69,6 +71,25 @@ def test_fused_node_shape_at_an_moe_layer() -> None:
     assert pushed.attrs["deltas"] == 0 and pushed.outputs == ("l2.post_attention_norm",)
 
 
+def test_norms_fuse_into_their_projections_unless_sharded() -> None:
+    """A replicated RMSNorm read only by a projection becomes its input norm (the norm's
+    weight the third input, its eps and output dtype in attrs, the projection keeps its
+    name and tactic lookup); at TP8 K3's latent norm is sharded (an all-reduced mean
+    square) and stays, layer 0's replicated input norm still fuses."""
+    graph = _compiled("kimi_k3")
+    up = graph.node("l5.routed_up")
+    assert up.op == "projection" and up.inputs == (
+        "l5.routed", "layers.5.mlp.routed_expert_up_proj", "layers.5.mlp.routed_expert_norm")
+    assert up.attrs["input_norm_eps"] == 1e-5 and up.attrs["input_norm_dtype"] == "bfloat16"
+    assert "l5.latent_norm" not in graph.values
+    sharded = _compiled("kimi_k3", tp=8)
+    ops = Counter(n.op for n in sharded)
+    assert ops["rmsnorm"] == 92
+    assert all(int(n.attrs.get("ways", 1)) == 8 for n in sharded if n.op == "rmsnorm")
+    assert [n.name for n in sharded if "input_norm_eps" in n.attrs] == ["l0.in_proj"]
+    verify(sharded)
+
+
 @pytest.mark.parametrize("deployment", [{"tp": 2}, {"tp": 2, "dcp": 2}, {"dep": 2}])
 def test_fuses_under_every_parallelism(deployment: dict[str, int]) -> None:
     graph = _compiled("tiny_k3", **deployment)
@@ -77,10 +98,17 @@ def test_fuses_under_every_parallelism(deployment: dict[str, int]) -> None:
     verify(graph)
 
 
-def test_plain_residual_models_are_untouched() -> None:
+def test_plain_residual_models_only_fuse_norms_into_projections() -> None:
+    """Without AttnRes only the norm -> projection rewrite applies: each norm read by one
+    projection goes, the projection keeps its name and place; nothing else changes."""
     graph, ctx = _before_fuse("tiny_kimi_linear")
     result = Fuse().run(graph, ctx)
-    assert not result.changed and [n.name for n in result.graph] == [n.name for n in graph]
+    fused = result.graph
+    assert result.changed and Counter(n.op for n in fused)["attn_res_norm"] == 0
+    gone = [n.name for n in graph if not fused.has_node(n.name)]
+    assert gone and all(graph.node(name).op == "rmsnorm" for name in gone)
+    assert len([n for n in fused if "input_norm_eps" in n.attrs]) == len(gone)
+    assert [n.name for n in fused] == [n.name for n in graph if n.name not in gone]
 
 
 def test_disabled_leaves_the_graph() -> None:

@@ -71,25 +71,31 @@ def _tactic(t: tuple[int, ...]) -> dict[str, int]:
 
 def check_projection(rows: int, n: int, k: int, tactic: dict[str, int], out_dtype: Any,
                      device: str, pdl: bool = False, strided: bool = True,
-                     seed: int = 0) -> float:
+                     seed: int = 0, norm: bool = False) -> float:
     """The splitk provider: x (a column view when ``strided``) @ W.T into a column view of
-    a NaN-poisoned wider buffer; returns the relative error."""
+    a NaN-poisoned wider buffer (``norm``: of the rows' RMSNorm, the fuse pass's input
+    norm; x then of scale 3, so that the norm matters); returns the relative error."""
     from stepgraph.runtime.providers.triton_dense import _projection
 
     gen = torch.Generator().manual_seed(seed)
     pad = 5 if strided else 0
-    xs = torch.randn(rows, k + 2 * pad, generator=gen).to(torch.bfloat16).to(device)
+    xs = (torch.randn(rows, k + 2 * pad, generator=gen) * (3.0 if norm else 1.0)
+          ).to(torch.bfloat16).to(device)
     x = xs[:, pad:pad + k]
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(device)
     base = torch.full((rows, n + 2 * pad), float("nan"), dtype=out_dtype, device=device)
     out = base[:, pad:pad + n]
-    node = node_of("projection", 2, 1)
-    launch = _projection(context(node, [x, w, out], pdl=pdl, tactic=tactic))
+    attrs = {"input_norm_eps": 1e-5, "input_norm_dtype": "bfloat16"} if norm else {}
+    ins = [x, w]
+    if norm:
+        ins.append((1.0 + 0.5 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(device))
+    node = node_of("projection", len(ins), 1, **attrs)
+    launch = _projection(context(node, [*ins, out], pdl=pdl, tactic=tactic))
     launch()
-    ref = ref_op("projection", [x.float(), w.float()], {}, [torch.float32])[0]
+    ref = ref_op("projection", [t.float() for t in ins], attrs, [torch.float32])[0]
     err = rel_err(out, ref)
     where = (f"projection rows={rows} n={n} k={k} tactic={tactic} out={out_dtype} "
-             f"strided={strided} pdl={pdl}")
+             f"strided={strided} pdl={pdl} norm={norm}")
     tol = TOL_F32 if out_dtype == torch.float32 else TOL_BF16
     assert not torch.isnan(out).any(), f"{where}: NaN (unwritten) in the output"
     assert err < tol, f"{where}: relative error {err:.3e} >= {tol}"
@@ -196,6 +202,16 @@ def interpreter_projection() -> None:
     tactic = {**_tactic((32, 16, 3, 2)), "k_tile": 32, "fused": 0}  # a reduction launch
     err = check_projection(3, 50, 200, tactic, torch.bfloat16, "cpu", seed=10)
     print(f"projection with a reduction launch: {err:.2e}")
+    # with an input norm: inside the GEMV (one split; 1 and 3 rows, ragged K, 2 and 3
+    # chunks), and through an RMSNorm launch first (GEMV with 2 splits, the MMA form)
+    for seed, (rows, n, k, t) in enumerate(((1, 70, 200, (8, 1, 1, 2)),
+                                            (3, 37, 96, (16, 1, 1, 3)),
+                                            (2, 40, 256, (8, 1, 2, 2)),
+                                            (5, 33, 200, (32, 16, 2, 2)))):
+        tactic = {**_tactic(t), "k_tile": 32}
+        err = check_projection(rows, n, k, tactic, torch.bfloat16, "cpu", seed=20 + seed,
+                               norm=True)
+        print(f"projection with an input norm rows={rows} {t}: {err:.2e}")
 
 
 def interpreter_small_ops() -> None:
@@ -243,7 +259,10 @@ def interpreter_runtime() -> None:
                 max_context=16, progress=False, allow_target_mismatch=True)
     report = step.report()
     print(report)
-    for needle in ("routed_experts:triton_fused_moe", "router:triton", "rmsnorm:triton",
+    # (tiny_k3 has no rmsnorm launch left: the fuse pass made each its projection's input
+    # norm, which the split-K GEMM standing in for cuBLAS computes)
+    assert any("input_norm_eps" in n.attrs for n in graph)
+    for needle in ("routed_experts:triton_fused_moe", "router:triton", "projection:cublas",
                    "attn_res_norm:triton"):
         assert needle in report, f"the runtime did not pick {needle}"
     prompts = [[1, 2, 3], [10, 20], [200, 100, 50], [7]]  # 4, 4, 3 (one padded) rows
@@ -299,6 +318,19 @@ def sm90_projection() -> None:
                     if c.name == "_gemv_kernel":  # registers only: no shared-memory staging
                         assert "async_copy" not in c.ttgir and c.shared <= 4096, \
                             f"{where}: the GEMV stages through shared memory"
+    # the GEMV with an input norm (k3-rank-tp8's routed_up, a TP1 in_proj, the lm_head):
+    # still two programs an SM (at most 128 registers at 8 warps), no spills
+    from stepgraph.runtime.kernels.splitk_gemm import InputNorm
+
+    for n, k, t in ((7168, 3584, (32, 1, 1, 2, 0, 8)), (6288, 7168, (8, 1, 1, 2, 0, 8)),
+                    (20480, 7168, (16, 1, 1, 2, 0, 8))):
+        gemm = SplitKGemm(_meta(1, k), _meta(n, k), _meta(1, n), SplitKTactic(*t),
+                          norm=InputNorm(_meta(k), 1e-5, torch.bfloat16))
+        gemm.pdl = True
+        (c,) = sm90_compiles(gemm)
+        print(f"{c.name} {n}x{k} with an input norm: {c.regs} regs, {c.spills} B spilled")
+        assert c.spills == 0 and c.regs <= 128, f"{n}x{k} input norm: {c.regs} regs"
+        assert c.loads_before_wait(), f"{n}x{k} input norm: no weight load before the wait"
 
 
 def sm90_small_ops() -> None:

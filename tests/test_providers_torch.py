@@ -361,7 +361,7 @@ def test_provider_matches_the_reference_on_cpu(case) -> None:
 def test_the_check_can_fail() -> None:
     """A provider that gets the math wrong (or leaves an output unwritten) is caught."""
     graph = _graph("tiny_k3", 1, False)
-    node = nodes_by_op(graph)["rmsnorm"]
+    node = nodes_by_op(graph)["projection"]
     case = node_case(graph, node, 3)
     outs, _, given = run_provider(case, "torch", torch.device("cpu"), torch.float32)
     refs, _ = run_reference(case, given)

@@ -53,6 +53,11 @@ def _matmul(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
         raise TypeRuleError(f"x is {_shape(x)} but weight is {_shape(w)} (K differs)")
     if out.shape != (x.shape[0], w.shape[0]):
         raise TypeRuleError(f"out is {_shape(out)}, expected {x.shape[0]}x{w.shape[0]}")
+    if "input_norm_eps" in node.attrs:
+        if len(ins) != 3:
+            raise TypeRuleError(f"{len(ins)} inputs: x, the weight and the input norm's weight")
+        if ins[2].shape != (x.shape[1],):
+            raise TypeRuleError(f"input norm weight {_shape(ins[2])} vs x {_shape(x)}")
 
 
 def _elementwise(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:

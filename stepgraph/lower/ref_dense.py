@@ -8,6 +8,7 @@ import torch
 
 from stepgraph.errors import UserError
 from stepgraph.lower.ref_common import OpCall, OpFn, gated_activation, linear, rms_norm
+from stepgraph.lower.tensors import storage_dtype
 
 
 def embed(call: OpCall) -> list[torch.Tensor]:
@@ -71,8 +72,12 @@ def attn_res_norm(call: OpCall) -> list[torch.Tensor]:
 
 
 def projection(call: OpCall) -> list[torch.Tensor]:
-    """``x @ W.T`` (also o_proj and lm_head)."""
-    x, weight = call.ins
+    """``x @ W.T`` (also o_proj and lm_head); with the fuse pass's input norm, of
+    ``rmsnorm(x)`` rounded to ``input_norm_dtype`` (where the unfused norm stored it)."""
+    x, weight = call.ins[:2]
+    if "input_norm_eps" in call.attrs:
+        dtype = storage_dtype(call.attrs["input_norm_dtype"], call.compute)
+        x = rms_norm(x, call.ins[2], call.attrs["input_norm_eps"]).to(dtype)
     return [linear(x, weight, call.out_dtypes[0])]
 
 

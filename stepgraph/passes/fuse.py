@@ -1,4 +1,5 @@
-"""The ``fuse`` pass: the AttnRes residual path of each sublayer becomes one node.
+"""The ``fuse`` pass: the AttnRes residual path of each sublayer becomes one node, and an
+RMSNorm read only by a projection becomes that projection's input norm.
 
 Without it, every sublayer boundary of an AttnRes model is four launches over rows of the
 hidden size: the prefix-sum ``add`` (often fed by the MoE's own ``add`` of its routed and
@@ -19,8 +20,19 @@ the three nodes'.
 
 A pattern is left alone when fusing would change what it computes or reorder a read: the
 mix output read by anything but one replicated rmsnorm, or viewed; an add whose output is
-read between the add and the mix; an inner add read twice. ``enabled`` off (the ablation)
-returns the graph unchanged.
+read between the add and the mix; an inner add read twice.
+
+Second rewrite: ``y = rmsnorm(x, weight)`` whose only reader is a ``projection``,
+``o_proj`` or ``lm_head`` taking ``y`` as its rows (the MoE's latent norm before
+routed_expert_up, the final norm before the lm_head) becomes that node with ``x`` as its
+rows, the norm weight as a third input and attrs ``input_norm_eps`` and
+``input_norm_dtype`` (the norm output's dtype, where the reference rounds the normed rows,
+so the fused reference equals the two nodes'). At one row the GEMV form normalizes while
+it streams (:mod:`stepgraph.runtime.kernels.splitk_gemm`): one launch less. A sharded norm
+(``ways`` > 1: an all-reduced mean square), a projection split along its inputs (a
+rank's columns of ``y``) or a viewed ``y`` is left alone.
+
+``enabled`` off (the ablation) returns the graph unchanged.
 """
 
 from __future__ import annotations
@@ -123,6 +135,45 @@ class _Finder:
         inner_values = [g.node(name).outputs[0] for name in inner]
         return _Fusion(fused, tuple(dropped), (mixed, *inner_values))
 
+    def norm_fusion(self, norm: Node) -> _Fusion | None:
+        """The projection reading ``norm``'s output, with the norm as its input norm, or
+        None."""
+        g = self.g
+        (normed,) = norm.outputs
+        readers = self.users.get(normed, [])
+        if (norm.name in self.taken or len(readers) != 1 or not self._private_temp(normed)
+                or int(norm.attrs.get("ways", 1)) != 1):
+            return None
+        reader = g.node(readers[0])
+        if (reader.op not in NORM_READERS or reader.inputs[0] != normed
+                or normed in reader.inputs[1:] or len(reader.inputs) != 2
+                or reader.name in self.taken or not _whole_rows(norm, reader)):
+            return None
+        fused = Node(
+            name=reader.name, op=reader.op,
+            inputs=(norm.inputs[0], reader.inputs[1], norm.inputs[1]),
+            outputs=reader.outputs,
+            attrs={**reader.attrs, "input_norm_eps": norm.attrs["eps"],
+                   "input_norm_dtype": g.values[normed].type.dtype},
+            placement=reader.placement, layer=reader.layer, unit=reader.unit,
+        )
+        self.taken.update((norm.name, reader.name))
+        return _Fusion(fused, (norm.name, reader.name), (normed,))
+
+
+NORM_READERS = ("projection", "o_proj", "lm_head")
+OUTPUT_SPLITS = ("heads", "rows", "vocab")  # a projection split along these reads whole rows
+
+
+def _whole_rows(norm: Node, reader: Node) -> bool:
+    """Whether ``reader`` reads the rows ``norm`` normalizes whole, placed alike (a
+    replicated norm before a projection split along its outputs also qualifies; one split
+    along its inputs reads a rank's columns, whose norm needs the other ranks')."""
+    if reader.placement == norm.placement:
+        return True
+    return (norm.placement.kind == "replicated" and reader.placement.kind == "sharded"
+            and reader.placement.dim in OUTPUT_SPLITS)
+
 
 @dataclass(frozen=True)
 class Fuse:
@@ -140,16 +191,20 @@ class Fuse:
         finder = _Finder(graph)
         fusions = [f for node in graph if node.op == "attn_res_mix"
                    if (f := finder.fusion(node)) is not None]
-        if not fusions:
-            return PassResult(g, False, "no AttnRes mix to fuse")
-        replace = {f.node.name: f.node for f in fusions}
-        dropped = {name for f in fusions for name in f.dropped_nodes} - set(replace)
+        norms = [f for node in graph if node.op == "rmsnorm"
+                 if (f := finder.norm_fusion(node)) is not None]
+        if not fusions and not norms:
+            return PassResult(g, False, "no AttnRes mix or projection norm to fuse")
+        replace = {f.node.name: f.node for f in (*fusions, *norms)}
+        dropped = ({name for f in (*fusions, *norms) for name in f.dropped_nodes}
+                   - set(replace))
         g.set_nodes(replace.get(n.name, n) for n in graph if n.name not in dropped)
-        for f in fusions:
+        for f in (*fusions, *norms):
             for value in f.dropped_values:
                 g.remove_value(value)
         adds = sum(len(f.dropped_nodes) - 2 for f in fusions)
         mixes = sum(1 for n in graph if n.op == "attn_res_mix")
         summary = (f"fused {len(fusions)} of {mixes} AttnRes mixes with their norms and "
-                   f"{adds} adds: {len(graph)} -> {len(g)} nodes")
+                   f"{adds} adds, {len(norms)} norms into their projections: {len(graph)} -> "
+                   f"{len(g)} nodes")
         return PassResult(g, True, summary)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from stepgraph.errors import UserError
+from stepgraph.runtime.kernels.elementwise import RmsNorm
 from stepgraph.runtime.kernels.launch_utils import (
     dot_in_f32,
     interpreting,
@@ -176,9 +177,10 @@ def _w_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K: tl.const
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                  R, N, K, chunks_per_split,
                  stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
+                 g_ptr, eps,
                  BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, DEPTH: tl.constexpr,
                  SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, NORM: tl.constexpr):
     """Partial (or whole) ``x[row] @ w.T`` of one weight tile and K split, for one batch row,
     without the MMA: products accumulate in float32 registers, reduced once at the end.
 
@@ -187,7 +189,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     issues the load of chunk ``i + DEPTH - 1`` (and of the activations' next chunk) before
     it multiplies chunk ``i``. No shared memory and no barrier in the loop, so a program
     streams at its own pace. Each row of a bin re-reads the weights (through L2), so tables
-    give this form to one-row bins."""
+    give this form to one-row bins. ``NORM`` (one split): the rows are RMS-normalized with
+    weight ``g`` on the way: each chunk of x is scaled by g's chunk and its squares summed,
+    and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end."""
     pid_w = tl.program_id(0)
     pid_s = tl.program_id(1)
     row = tl.program_id(2)
@@ -210,11 +214,20 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     kx = k_lo + offs_k
     x0 = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
     acc = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
+    if NORM:
+        g0 = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
+        squares = tl.zeros([CHUNK_K], dtype=tl.float32)
     for i in range(0, chunks):
         w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
         kx = k_lo + (i + 1) * CHUNK_K + offs_k
         x_new = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
-        acc += w0.to(tl.float32) * x0.to(tl.float32)[None, :]
+        xf = x0.to(tl.float32)
+        if NORM:
+            g_new = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
+            squares += xf * xf
+            xf = xf * g0.to(tl.float32)
+            g0 = g_new
+        acc += w0.to(tl.float32) * xf[None, :]
         x0 = x_new
         if DEPTH == 2:
             w0 = w_new
@@ -227,6 +240,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
             w2 = w_new
     offs_r = row + tl.arange(0, 1)
     part = tl.sum(acc, axis=1)[:, None]
+    if NORM:
+        part = part * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     _store_tile(part, offs_w, offs_r, w_rows, offs_r < R, pid_s,
                 row * tl.num_programs(0) + pid_w, out_ptr, ws_ptr, sem_ptr, R, N,
                 stride_or, stride_on, SPLIT, FUSED, FENCE)
@@ -338,19 +353,40 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
         raise UserError("split-K GEMM: x, w and out must be on one device")
 
 
+@dataclass(frozen=True)
+class InputNorm:
+    """An RMSNorm of a GEMM's rows before the product (the fuse pass's input norm): its
+    ``weight`` [K], ``eps`` and the ``dtype`` the unfused norm stored its output in."""
+
+    weight: torch.Tensor
+    eps: float
+    dtype: torch.dtype
+
+
 class SplitKGemm:
     """A prepared ``out = x @ w.T`` (all three bound once); calling it enqueues the launch
-    (one kernel, two with split > 1) on the current stream. Capturable."""
+    (one kernel, two with split > 1) on the current stream. Capturable. With ``norm``, of
+    ``rmsnorm(x)``: inside the GEMV form with one split, else an RMSNorm launch into a
+    scratch buffer first."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                 tactic: SplitKTactic, pdl: bool = False) -> None:
+                 tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None
+                 ) -> None:
         _check(x, w, out)
-        self.x, self.w, self.out = x, w, out
         rows, k = x.shape
         n = w.shape[0]
         self.rows, self.n, self.k = rows, n, k
         self.plan = plan_splitk(rows, n, k, tactic)
         self.pdl = pdl_allowed(pdl, out.device)
+        self.norm, self.pre_norm = norm, None
+        if norm is not None and tuple(norm.weight.shape) != (k,):
+            raise UserError(f"split-K GEMM: input norm weight {list(norm.weight.shape)} for "
+                            f"rows of {k}")
+        if norm is not None and not (self.plan.gemv and self.plan.split == 1):
+            normed = scratch(out.device, "splitk_norm", rows * k, norm.dtype).view(rows, k)
+            self.pre_norm = RmsNorm(x, norm.weight, normed, norm.eps, pdl=pdl)
+            x, self.norm = normed, None
+        self.x, self.w, self.out = x, w, out
         self.dot_f32 = dot_in_f32(w.dtype)
         self.fused = bool(tactic.fused) and self.plan.split > 1
         self.sem = out  # unused unless fused
@@ -372,9 +408,13 @@ class SplitKGemm:
                 out.stride(0), out.stride(1))
         common = dict(SPLIT=p.split, FUSED=self.fused, FENCE=not interpreting(),
                       USE_PDL=self.pdl, num_warps=p.warps, launch_pdl=self.pdl)
+        if self.pre_norm is not None:
+            self.pre_norm()
         if p.gemv:
-            _gemv_kernel[p.grid](*args, BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
-                                 num_stages=1, **common)
+            norm = self.norm
+            _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
+                                 BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
+                                 NORM=norm is not None, num_stages=1, **common)
         else:
             _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,
                                    BLOCK_K=p.block_k, PRE=p.pre,

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from stepgraph.errors import UserError
 from stepgraph.ir.types import TensorType
 from stepgraph.lower import ref_dense, ref_mla
-from stepgraph.lower.ref_common import OpCall, OpFn, gated_activation, linear, rope
+from stepgraph.lower.ref_common import OpCall, OpFn, gated_activation, linear, rms_norm, rope
 from stepgraph.lower.ref_kda import decay_gate, kda_token
+from stepgraph.lower.tensors import storage_dtype
 from stepgraph.runtime.providers.collectives import sharded_rmsnorm, vocab_parallel_embed
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
 
@@ -199,11 +200,46 @@ def matmul_launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     return lambda: out.copy_(fallback())
 
 
+def input_norm_dtype(attrs: dict[str, Any], weight: torch.Tensor) -> torch.dtype:
+    """The dtype a projection's fused input norm rounds to in this run: the unfused norm's
+    output dtype as the run holds it (the model's activation dtype takes the run's compute
+    dtype, which the projection's ``weight`` is bound in)."""
+    return storage_dtype(attrs["input_norm_dtype"], weight.dtype)
+
+
+def input_norm_launch(ctx: PrepareContext, x: torch.Tensor, weight: torch.Tensor
+                      ) -> tuple[torch.Tensor, Launch]:
+    """A projection's input norm (the fuse pass's ``input_norm_eps``) into a buffer of its
+    own: the rows the product then reads, and the launch writing them (the Triton RMSNorm
+    kernel on a GPU, the reference's torch ops elsewhere)."""
+    attrs = ctx.node.attrs
+    eps = float(attrs["input_norm_eps"])
+    normed = torch.empty(x.shape, dtype=input_norm_dtype(attrs, ctx.inputs()[1]),
+                         device=x.device)
+    if x.device.type == "cuda":
+        try:
+            from stepgraph.runtime.kernels.elementwise import RmsNorm
+        except ImportError:  # no triton: the torch ops below
+            pass
+        else:
+            return normed, RmsNorm(x, weight, normed, eps, pdl=ctx.pdl)
+    return normed, lambda: normed.copy_(rms_norm(x, weight, eps))
+
+
 def _cublas_projection(ctx: PrepareContext) -> Launch:
     check_one_rank(ctx.node)
-    x, w = ctx.inputs()
+    x, w = ctx.inputs()[:2]
     (out,) = ctx.outputs()
-    return matmul_launch(x, w, out, lambda: linear(x, w, out.dtype))
+    if "input_norm_eps" not in ctx.node.attrs:
+        return matmul_launch(x, w, out, lambda: linear(x, w, out.dtype))
+    normed, norm_launch = input_norm_launch(ctx, x, ctx.inputs()[2])
+    product = matmul_launch(normed, w, out, lambda: linear(normed, w, out.dtype))
+
+    def launch() -> None:
+        norm_launch()
+        product()
+
+    return launch
 
 
 for _op in ("projection", "o_proj", "lm_head"):

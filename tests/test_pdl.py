@@ -315,3 +315,15 @@ def test_k3_mixes_preload_their_sources_and_never_a_fresh_output() -> None:
     # 24 mixes (layer 0 has no attention mix; the final one): all but layer 0's MLP mix and
     # layer 11's (a new AttnRes block: the o-projection's fresh output is a source there)
     assert preloading == 24 - 2
+
+
+def test_explain_lists_the_inputs_readable_before_the_wait() -> None:
+    """``inspect --explain`` of an AttnRes mix names the sources it loads before its wait
+    (and the joined side branch's output), never the predecessor's fresh output."""
+    from stepgraph.passes.bin import explain
+
+    spec = load_spec(MODELS / "k3_rank_tp8.yaml")
+    graph, _ = compile_graph(spec, spec.deployment)
+    line = next(ln for ln in explain(graph, "l3.attn_mix").splitlines()
+                if "readable before the wait" in ln)
+    assert line.split(": ", 1)[1] == "embedded, l2.residual_attn, l2.shared"

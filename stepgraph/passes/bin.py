@@ -249,6 +249,11 @@ def explain(graph: Graph, node_name: str) -> str:
                      f"{_bytes(pdl['prefetch_bytes'])}")
         for rows, why in pdl.get("off_bins", {}).items():
             lines.append(f"      not at bin {rows}: {why}")
+        weights = {name for name in node.inputs
+                   if graph.values[graph.root(name)].storage is Storage.WEIGHT}
+        early = [name for name in pdl.get("pre_wait_inputs", ()) if name not in weights]
+        if early:
+            lines.append(f"      other inputs readable before the wait: {', '.join(early)}")
     if node.op == "prefetch":
         lines.append(f"  prefetch fork {node.attrs.get('fork')}: {_bytes(node.attrs['bytes'])} "
                      f"of the weights {node.attrs.get('target')} reads first")

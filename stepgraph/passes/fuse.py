@@ -45,6 +45,19 @@ from stepgraph.ir.nodes import Node
 from stepgraph.ir.types import Storage
 from stepgraph.passes.manager import CompileContext, PassResult
 
+NORM_READERS = ("projection", "o_proj", "lm_head")
+OUTPUT_SPLITS = ("heads", "rows", "vocab")  # a projection split along these reads whole rows
+
+
+def _whole_rows(norm: Node, reader: Node) -> bool:
+    """Whether ``reader`` reads the rows ``norm`` normalizes whole, placed alike (a
+    replicated norm before a projection split along its outputs also qualifies; one split
+    along its inputs reads a rank's columns, whose norm needs the other ranks')."""
+    if reader.placement == norm.placement:
+        return True
+    return (norm.placement.kind == "replicated" and reader.placement.kind == "sharded"
+            and reader.placement.dim in OUTPUT_SPLITS)
+
 
 @dataclass(frozen=True)
 class _Fusion:
@@ -159,20 +172,6 @@ class _Finder:
         )
         self.taken.update((norm.name, reader.name))
         return _Fusion(fused, (norm.name, reader.name), (normed,))
-
-
-NORM_READERS = ("projection", "o_proj", "lm_head")
-OUTPUT_SPLITS = ("heads", "rows", "vocab")  # a projection split along these reads whole rows
-
-
-def _whole_rows(norm: Node, reader: Node) -> bool:
-    """Whether ``reader`` reads the rows ``norm`` normalizes whole, placed alike (a
-    replicated norm before a projection split along its outputs also qualifies; one split
-    along its inputs reads a rank's columns, whose norm needs the other ranks')."""
-    if reader.placement == norm.placement:
-        return True
-    return (norm.placement.kind == "replicated" and reader.placement.kind == "sharded"
-            and reader.placement.dim in OUTPUT_SPLITS)
 
 
 @dataclass(frozen=True)

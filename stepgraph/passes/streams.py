@@ -8,8 +8,8 @@ and is marked to run on the device's side stream: the runtime forks it there and
 main stream wait for it (a join) right before the first node that reads one of its outputs,
 or ``streams.join_lead`` main-stream launches before it (the launch that carries the join
 waits for the whole branch, so it cannot start early under PDL: a lead puts that cost on a
-launch with nothing to load before its wait, e.g. the MoE tail's norm instead of the next
-AttnRes mix). Between the fork and the join its launches overlap the main chain's.
+launch that loses less by it, e.g. the MoE's last GEMV instead of the next AttnRes mix,
+which loads its sources before its wait). Between the fork and the join its launches overlap the main chain's.
 
 What may move: a compute node that updates no state, reads only values written before its
 new position (it moves earlier, never past a reader) and whose outputs nothing between its

@@ -112,7 +112,7 @@ def node_pdl(graph: Graph, node: Node, rows: int, enabled: bool) -> bool:
     return bool(entry.get("pdl")) and str(rows) not in entry.get("off_bins", {})
 
 
-def pre_wait_inputs(graph: Graph, node: Node) -> frozenset[str]:
+def node_pre_wait(graph: Graph, node: Node) -> frozenset[str]:
     """The inputs ``node`` may read before its PDL wait (the pdl pass's mark)."""
     entry = graph.meta.get("pdl", {}).get(node.name) or {}
     return frozenset(entry.get("pre_wait_inputs", ()))
@@ -175,7 +175,7 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
         wanted, tactic = decision(graph, node, rows)
         node_uses_pdl = node_pdl(graph, node, rows, pdl)
         ctx = BinContext(node, rows, tactic, node_uses_pdl, device, dtype, graph, bound, comm,
-                         pre_wait_inputs(graph, node) if node_uses_pdl else frozenset())
+                         node_pre_wait(graph, node) if node_uses_pdl else frozenset())
         with scratch_namespace("side" if node.name in side else ""):
             launch, choice = prepare_node(ctx, wanted, preferences(node.op), registry,
                                           allowed)

@@ -9,7 +9,8 @@ main stream wait for it (a join) right before the first node that reads one of i
 or ``streams.join_lead`` main-stream launches before it (the launch that carries the join
 waits for the whole branch, so it cannot start early under PDL: a lead puts that cost on a
 launch that loses less by it, e.g. the MoE's last GEMV instead of the next AttnRes mix,
-which loads its sources before its wait). Between the fork and the join its launches overlap the main chain's.
+which loads its sources before its wait). Between the fork and the join its launches
+overlap the main chain's.
 
 What may move: a compute node that updates no state, reads only values written before its
 new position (it moves earlier, never past a reader) and whose outputs nothing between its

@@ -511,6 +511,47 @@ def test_projection_gpu(shape: tuple[Any, ...]) -> None:
     print(f"projection {n}x{k} {out_name}: worst relative error {worst:.2e}")
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_projection_with_input_norm_gpu(rows: int) -> None:
+    """A projection with the fuse pass's input norm right after the launch writing its rows
+    (an add), both PDL, captured in one CUDA graph and replayed on fresh rows: the GEMV
+    normalizes inside at one row (routed_expert_up's table tactic), the MMA form runs the
+    norm launch first; against rmsnorm -> matmul in float32 (a stale read of the rows shows
+    as a large error, an unwritten output as NaN)."""
+    from stepgraph.runtime.providers import triton_dense as td
+
+    n, k = 7168, 3584
+    gen = torch.Generator().manual_seed(rows)
+    dev = "cuda"
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(dev)
+    g = (1.0 + 0.5 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(dev)
+    a = torch.empty(rows, k, dtype=torch.bfloat16, device=dev)
+    b = torch.empty_like(a)
+    x = torch.empty_like(a)
+    out = torch.empty(rows, n, dtype=torch.bfloat16, device=dev)
+    attrs = {"input_norm_eps": 1e-5, "input_norm_dtype": "bfloat16"}
+    tactic = (32, 1, 1, 2, 0, 8) if rows == 1 else (64, 8, 2, 4)
+    launches = [
+        td.add(context(node_of("add", 2, 1), [a, b, x], pdl=True)),
+        td._projection(context(node_of("projection", 3, 1, **attrs), [x, w, g, out],
+                               pdl=True, tactic=_tactic(tactic))),
+    ]
+    runner = Replayer(launches, dev)
+    for replay in range(4):
+        scale = 3.0 * (1 + replay)
+        a.copy_((torch.randn(rows, k, generator=gen) * scale).to(torch.bfloat16))
+        b.copy_((torch.randn(rows, k, generator=gen) * scale).to(torch.bfloat16))
+        out.fill_(float("nan"))
+        runner.replay()
+        ref = ref_op("projection", [x.float(), w.float(), g.float()], attrs,
+                     [torch.float32])[0]
+        err = rel_err(out, ref)
+        print(f"input norm rows={rows} replay {replay}: {err:.2e}")
+        assert err < TOL_BF16, f"rows={rows} replay {replay}: relative error {err:.3e}"
+
+
 def check_chain(rows: int, device: str, hidden: int = 7168, n1: int = 6288, n2: int = 7168,
                 inner: int = 1536, replays: int = 5) -> None:
     """rmsnorm -> in_proj (split 2) -> o_proj-like GEMM (split 4, reading a column view of

@@ -100,11 +100,11 @@ def test_kda_tp8_projection_uses_the_seeds_tactics_at_every_row_count() -> None:
 def test_one_row_takes_the_measured_gemv_form_at_the_k3_tp8_shapes() -> None:
     """Bin 1 of the seeded TP8 rows is ours: the GEMV form (n_tile 1) with its optional
     k_tile and warps fields, measured on the H200 at those per-rank shapes."""
-    for n, m_tile in ((6288, 8), (3648, 16)):
+    for n, m_tile, warps in ((6288, 8, 4), (3648, 16, 8)):
         decision = _decide(n, 8, [1])[1]
         assert decision["provider"] == "splitk"
         assert decision["tactic"] == {"m_tile": m_tile, "n_tile": 1, "split": 1, "stages": 2,
-                                      "k_tile": 0, "warps": 8}, n
+                                      "k_tile": 0, "warps": warps}, n
         assert "GEMV form measured on NVIDIA H200" in decision["reason"]
 
 
@@ -195,7 +195,7 @@ def test_every_node_and_bin_has_provider_tactic_and_reason() -> None:
         for decision in decisions[node.name].values():
             assert set(decision) == {"provider", "tactic", "reason"}
             assert decision["provider"] in tables.providers(node.op)
-            assert "h200 tables h200-chain-10" in decision["reason"]
+            assert "h200 tables h200-chain-11" in decision["reason"]
 
 
 def test_routed_experts_are_looked_up_by_one_experts_gate_up_shape() -> None:
@@ -229,7 +229,7 @@ def test_digest_is_the_files_sha256_and_changes_with_the_file(tmp_path: Path) ->
     shutil.copy(H200, path)
     first = load_tables("h200", path)
     assert first.digest == hashlib.sha256(H200.read_bytes()).hexdigest()
-    assert first.version == "h200-chain-10"
+    assert first.version == "h200-chain-11"
     path.write_text(path.read_text().replace("[128, 8, 2, 6]", "[128, 8, 2, 7]", 1))
     second = load_tables("h200", path)
     assert second.digest != first.digest

@@ -1,7 +1,8 @@
 """A Chrome / Perfetto trace (``traceEvents`` JSON) of one bin's launch schedule.
 
 Track 1 holds one slice per launch in program order; track 2 the side stream: the streams
-pass's branches (joined before their first reader, which starts no earlier than their end)
+pass's branches (joined at or before their first reader: the launch carrying the join starts
+no earlier than their end)
 and the L2 prefetch forks. Durations are ESTIMATES, not measurements: the bytes a launch
 moves divided by an assumed bandwidth from the tactic tables (HBM for compute and
 prefetches, the link for collectives), at least the tables' kernel (or collective) floor. A

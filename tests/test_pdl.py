@@ -327,3 +327,23 @@ def test_explain_lists_the_inputs_readable_before_the_wait() -> None:
     line = next(ln for ln in explain(graph, "l3.attn_mix").splitlines()
                 if "readable before the wait" in ln)
     assert line.split(": ", 1)[1] == "embedded, l2.residual_attn, l2.shared"
+
+
+def test_a_launch_follows_the_launch_before_it_on_its_own_stream(tmp_path: Path) -> None:
+    """With the shared experts on cuBLAS (which never trigger the dependent launch) on the
+    side stream, the main-stream launch listed right after each one still uses PDL: its
+    predecessor is the main stream's previous launch, not the side node listed before it."""
+    data = yaml.safe_load((TABLES_DIR / "h200.yaml").read_text())
+    data["ops"]["shared_expert"] = {"providers": ["cublas"]}
+    path = tmp_path / "shared-on-cublas.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec = load_spec(MODELS / "k3_rank_tp8.yaml")
+    graph, _ = compile_graph(spec, spec.deployment, tables_path=path)
+    side = graph.meta["streams"]["side"]
+    marks = graph.meta["pdl"]
+    assert len(side) == 12
+    order = list(graph)
+    for name in side:
+        assert not marks[name]["pdl"], name
+        after = order[order.index(graph.node(name)) + 1]
+        assert after.name not in side and marks[after.name]["pdl"], (name, after.name)

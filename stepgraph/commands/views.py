@@ -177,7 +177,7 @@ def summary_text(data: dict[str, Any], path: str) -> str:
     if streams.get("side"):
         lines.append(f"streams    {len(streams['side'])} launches on a side stream ("
                      + ", ".join(f"{n} {op}" for op, n in streams["side_ops"].items())
-                     + "), each joined before its first reader")
+                     + "), each joined at or before its first reader")
     planned = [b for b in data["bins"] if "memory" in b]
     if planned:
         lines.append("memory     rows    arena      lower bound  naive      arena/lb")

@@ -6,7 +6,10 @@ PDL lets a launch start while its predecessor in the stream finishes; it must wa
 before the wait, since weights never depend on the predecessor. The rules, per launch in
 program order (prefetch forks run on a side stream and are not in the chain):
 
-* the first launch of the step cannot: it follows the host's input copy;
+* a launch's predecessor is the launch before it on its own stream (the streams pass's side
+  branches form their own);
+* the first launch of the step cannot: it follows the host's input copy (the first on the
+  side stream may: it follows the fork's event wait, and PDL chains its node's launches);
 * a collective cannot: NCCL launches it, without the PDL attribute;
 * a launch right after a collective or a host-side operation (a provider the tables mark
   ``host``, or a node with ``attrs["host_side"]``) cannot: its predecessor never triggers an
@@ -262,10 +265,14 @@ def pre_wait_inputs(graph: Graph, nodes: list[Node],
     return safe
 
 
-def _structural(node: Node, previous: Node | None, host_ops: set[str]) -> str | None:
-    """Why ``node`` cannot use PDL whatever the bin (None: it can)."""
+def _structural(node: Node, previous: Node | None, host_ops: set[str],
+                on_side: bool = False) -> str | None:
+    """Why ``node`` cannot use PDL whatever the bin (None: it can); ``previous``: the launch
+    before it on its own stream."""
     if previous is None:
-        return "first launch of the step: it follows the host's input copy"
+        # the side stream's first launch follows the fork's event wait: PDL changes nothing
+        # for it and lets the launches of its node chain
+        return None if on_side else "first launch of the step: it follows the host's input copy"
     if is_collective(node):
         return f"{node.op} is a collective: NCCL launches it without the PDL attribute"
     if node.attrs.get("host_side") or node.name in host_ops:
@@ -336,10 +343,11 @@ class Pdl:
         bins = [str(e["rows"]) for e in g.meta.get("bins", [])]
         stock_bins = {str(e["rows"]) for e in g.meta.get("bins", []) if e.get("path") == STOCK}
         host_ops = {n.name for n in nodes if n.attrs.get("host_side")}
-        readable = pre_wait_inputs(g, nodes, g.meta.get("streams", {}).get("side", {}))
+        side = g.meta.get("streams", {}).get("side", {})
+        readable = pre_wait_inputs(g, nodes, side)
         cap = tables.pre_wait_bytes
         marks: dict[str, dict[str, Any]] = {}
-        previous: Node | None = None
+        last_on: dict[bool, Node | None] = {False: None, True: None}  # per stream: side?
         used = 0
         verdicts: dict[tuple[str | None, str | None], str | None] = {}
         templates: dict[tuple[int, int], dict[str, str]] = {}
@@ -354,14 +362,15 @@ class Pdl:
                     "prefetch_bytes": 0,
                 }
                 continue
-            why = _structural(node, previous, host_ops)
+            on_side = node.name in side
+            previous = last_on[on_side]  # the launch before it on its own stream
+            why = _structural(node, previous, host_ops, on_side)
             entry: dict[str, Any]
             if why is not None:
                 entry = {"pdl": False, "reason": why, "prefetch_bytes": 0}
             else:
-                assert previous is not None
                 mine_all = decisions.get(node.name, _NONE)
-                theirs_all = decisions.get(previous.name, _NONE)
+                theirs_all = decisions.get(previous.name, _NONE) if previous else _NONE
                 pair = (id(mine_all), id(theirs_all))
                 template = templates.get(pair)
                 if template is None:
@@ -377,8 +386,8 @@ class Pdl:
                         if verdicts[key] is not None:
                             template[rows] = verdicts[key]
                     templates[pair] = template
-                off = {rows: text.format(previous=previous.name) for rows, text in
-                       template.items()}
+                off = {rows: text.format(previous=previous.name if previous else "")
+                       for rows, text in template.items()}
                 if bins and len(off) == len(bins):
                     first = off[bins[0]]
                     same = all(r == first for r in off.values())
@@ -396,7 +405,7 @@ class Pdl:
                         entry["off_bins"] = off
                     used += 1
             marks[node.name] = entry
-            previous = node
+            last_on[on_side] = node
         g.meta["pdl"] = marks
         if decisions:
             _decide_forks(g, tables, bins, stock_bins)

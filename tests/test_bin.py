@@ -195,7 +195,7 @@ def test_every_node_and_bin_has_provider_tactic_and_reason() -> None:
         for decision in decisions[node.name].values():
             assert set(decision) == {"provider", "tactic", "reason"}
             assert decision["provider"] in tables.providers(node.op)
-            assert "h200 tables h200-chain-11" in decision["reason"]
+            assert "h200 tables h200-chain-12" in decision["reason"]
 
 
 def test_routed_experts_are_looked_up_by_one_experts_gate_up_shape() -> None:
@@ -229,7 +229,7 @@ def test_digest_is_the_files_sha256_and_changes_with_the_file(tmp_path: Path) ->
     shutil.copy(H200, path)
     first = load_tables("h200", path)
     assert first.digest == hashlib.sha256(H200.read_bytes()).hexdigest()
-    assert first.version == "h200-chain-11"
+    assert first.version == "h200-chain-12"
     path.write_text(path.read_text().replace("[128, 8, 2, 6]", "[128, 8, 2, 7]", 1))
     second = load_tables("h200", path)
     assert second.digest != first.digest

@@ -177,6 +177,10 @@ INTERP_CASES = [
     dict(heads=2, dim=16, rows=4, q_len=2, kernel=4),
     dict(heads=2, dim=16, rows=5, padded=1, tactic={"gate_rows": 1}),  # the gate kernel
     dict(heads=3, dim=12, rows=6, q_len=2, rank=20, form="softplus", tactic={"gate_rows": 1}),
+    # the output norm inside the recurrence (its last V block of each head)
+    dict(heads=2, dim=16, rows=4, padded=1, tactic={"out_norm": 1}),
+    dict(heads=2, dim=16, rows=6, q_len=3, kernel=3, low_rank=True, tactic={"out_norm": 1}),
+    dict(heads=3, dim=12, rows=6, q_len=2, padded=2, tactic={"out_norm": 1, "block_v": 4}),
 ]
 
 
@@ -296,11 +300,15 @@ def test_kda_kernels_compile_for_h200() -> None:
             USE_PDL=True), num_warps=4)
     rec = dict(qn_ptr=f32, kn_ptr=f32, vo_ptr=f32, g_ptr=f32, beta_ptr=f32, state_ptr=f32,
                state_slot_stride="i64", slots_ptr=i32, accepted_ptr=i32, o_ptr=f32,
-               scale="fp32")
-    for q_len in (1, 4):
+               scale="fp32", gate_ptr=bf16, gate_stride="i32", gb_ptr=bf16, onorm_ptr=bf16,
+               out_ptr=bf16, out_stride="i32", eps="fp32", sem_ptr=i32)
+    for q_len, out_norm, low in ((1, True, False), (4, True, True), (1, False, False)):
         out = compile_for_h200(kda._kda_recurrent_kernel, rec, dict(
-            H=12, D=128, BD=128, BV=32, Q=q_len, USE_PDL=q_len == 1), num_warps=4)
+            H=12, D=128, BD=128, BV=32, Q=q_len, USE_PDL=q_len == 1, OUT_NORM=out_norm,
+            GRANK=128 if low else 1, BR=32 if low else 1, LOW_RANK=low, FENCE=True),
+            num_warps=4)
         assert ("griddepcontrol.wait" in out["ptx"]) == (q_len == 1)
+        assert ("atom" in out["ptx"]) == out_norm, "the output norm's counter"
     norm = dict(o_ptr=f32, gate_ptr=bf16, gate_stride="i32", gb_ptr=bf16, onorm_ptr=bf16,
                 out_ptr=bf16, out_stride="i32", eps="fp32")
     for low in (False, True):
@@ -326,6 +334,10 @@ GPU_CASES = [
     dict(heads=12, dim=128, rows=16, rank=128, q_len=2, padded=1),
     dict(heads=96, dim=128, rows=8, rank=128, q_len=4),
     dict(heads=12, dim=128, rows=4, rank=128, form="softplus", tactic={"gate_rows": 1}),
+    dict(heads=12, dim=128, rows=1, rank=128, tactic={"out_norm": 1}),
+    dict(heads=12, dim=128, rows=8, rank=128, tactic={"out_norm": 1, "block_v": 16}),
+    dict(heads=96, dim=128, rows=64, rank=128, q_len=2, low_rank=True, grank=128,
+         tactic={"out_norm": 1}),
 ]
 
 

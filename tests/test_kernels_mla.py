@@ -185,6 +185,7 @@ def check_case(pdl: bool = False, capture: bool = False, replays: int = 1,
     else:
         run = launch
     result: dict[str, Any] = {"o": [], "cache": [], "lse": [], "nan": False}
+    fresh = torch.Generator(device="cpu").manual_seed(1000 + spec.get("seed", 0))
     for _ in range(replays):
         refs, ref_caches = reference(case)
         for name in case["node"].outputs:
@@ -197,7 +198,9 @@ def check_case(pdl: bool = False, capture: bool = False, replays: int = 1,
         result["cache"].append(max(rel(bound[n], ref_caches[n]) for n in caches))
         if len(refs) > 1:
             result["lse"].append(lse_error(bound["lse"], refs[1]))
-        bound["q_latent"].normal_()  # a fresh query for the next replay
+        # a fresh query for the next replay, drawn like the first (seeded: the run repeats)
+        query = bound["q_latent"]
+        query.copy_(torch.randn(query.shape, generator=fresh) * 0.5)
     result["shape"] = {k: spec.get(k) for k in ("heads", "requests", "q_len", "lora", "rope",
                                                  "padded", "dcp", "rope_theta", "hole", "dsa")}
     result["tactic"] = tactic
@@ -270,7 +273,7 @@ def make_value_case(heads: int, rows: int, nope: int = 16, v_dim: int = 16, lora
 
 
 def check_stateless(op: str, pdl: bool = False, capture: bool = False,
-                    **spec: Any) -> dict[str, Any]:
+                    tactic: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     """Run one mla_query / mla_value case through provider ``triton`` and the reference; the
     relative error of each output."""
     from stepgraph.ir.types import TensorType
@@ -290,7 +293,8 @@ def check_stateless(op: str, pdl: bool = False, capture: bool = False,
     call = OpCall(node, ins, [TensorType(tuple(s), "float32") for s in case["shapes"]],
                   [torch.float32] * outs, torch.float32, case["rows"])
     refs = getattr(ref_mla, op)(call)
-    launch = entry.factory(FakeContext(node, case["rows"], bound, device, pdl))
+    launch = entry.factory(FakeContext(node, case["rows"], bound, device, pdl,
+                                       dict(tactic or {})))
     if capture:
         launch()
         torch.cuda.synchronize()
@@ -306,8 +310,8 @@ def check_stateless(op: str, pdl: bool = False, capture: bool = False,
     if device.type == "cuda":
         torch.cuda.synchronize()
     errors = [rel(bound[n], r) for n, r in zip(node.outputs, refs, strict=True)]
-    return {"errors": errors, "op": op, "spec": {k: v for k, v in spec.items()
-                                                 if k not in ("dtype", "device")}}
+    return {"errors": errors, "op": op, "tactic": tactic,
+            "spec": {k: v for k, v in spec.items() if k not in ("dtype", "device")}}
 
 
 # ---------------------------------------------------------------------------- CPU cases
@@ -346,6 +350,9 @@ QUERY_CASES = [
     dict(heads=2, rows=3, rope_theta=10000.0, index=(4, 16)),
     dict(heads=2, rows=2, q_lora=None, nope=16, rope=16, v_dim=8, lora=48),
     dict(heads=2, rows=20, rope_theta=50000.0, rope=16),
+    dict(heads=3, rows=1, tactic={"norm_inside": 1}),  # q_a's norm inside q_b's GEMV
+    dict(heads=2, rows=4, rope_theta=10000.0, tactic={"norm_inside": 1}),  # norm launch first
+    dict(heads=2, rows=1, index=(4, 16), tactic={"norm_inside": 1}),  # DSA keeps the norm
 ]
 VALUE_CASES = [
     dict(heads=3, rows=5),
@@ -535,6 +542,10 @@ QV_GPU_CASES = [
                        lora=512)),
     ("mla_query", dict(heads=12, rows=7, q_lora=1536, nope=128, rope=64, v_dim=128, lora=512,
                        rope_theta=10000.0, index=(64, 128))),
+    ("mla_query", dict(heads=12, rows=1, q_lora=1536, nope=128, rope=64, v_dim=128, lora=512,
+                       rope_theta=10000.0, tactic={"norm_inside": 1})),
+    ("mla_query", dict(heads=12, rows=8, q_lora=1536, nope=128, rope=64, v_dim=128, lora=512,
+                       tactic={"norm_inside": 1})),
     ("mla_value", dict(heads=96, rows=1, nope=128, v_dim=128, lora=512)),
     ("mla_value", dict(heads=12, rows=64, nope=128, v_dim=128, lora=512)),
     ("mla_value", dict(heads=12, rows=5, nope=128, v_dim=128, lora=512, gated=False)),

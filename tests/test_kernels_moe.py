@@ -100,6 +100,35 @@ def check_routed_experts(rows: int, experts: int, local: int, offset: int, top_k
     return err
 
 
+def check_combine_forms(rows: int, experts: int, local: int, offset: int, top_k: int,
+                        width: int, inter: int, device: str,
+                        weights: tuple[Any, Any] | None = None,
+                        tactic: dict[str, int] | None = None, seed: int = 0) -> None:
+    """The down launch's own combine (tactic ``combine`` 1) and the combine launch (0)
+    write the same bits on the same fresh inputs (both summing in slot order), twice in a
+    row (the tile counters must be left at zero for the next launch)."""
+    from stepgraph.runtime.providers.triton_moe import routed_experts
+
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, width, generator=gen) * 2).to(device)
+    ids, wts = routing(rows, experts, top_k, gen, device)
+    gate_up, down = weights or expert_weights(local, width, inter, gen, device)
+    attrs = {"experts": experts, "expert_offset": offset, "local_experts": local,
+             "top_k": top_k, "width": inter, **SITU}
+    node = node_of("routed_experts", 5, 1, **attrs)
+    outs = []
+    for combine in (1, 0, 1):
+        out = torch.full((rows, width), float("nan"), dtype=torch.bfloat16, device=device)
+        launch = routed_experts(context(node, [x, ids, wts, gate_up, down, out], pdl=True,
+                                        tactic={**(tactic or {}), "combine": combine}))
+        launch()
+        outs.append(out)
+    where = f"rows={rows} experts={experts} local={local}+{offset} k={top_k} {width}x{inter}"
+    assert not torch.isnan(outs[1]).any(), f"{where}: NaN from the combine launch"
+    assert torch.equal(outs[0], outs[1]), f"{where}: fused and launched combines differ"
+    assert torch.equal(outs[2], outs[1]), f"{where}: a second fused combine differs"
+
+
 def check_router(rows: int, experts: int, top_k: int, score: str, bias: bool,
                  renormalize: bool, device: str, pdl: bool = False, seed: int = 0) -> float:
     """The router provider against the reference: the same set of ids per row and the same
@@ -141,12 +170,20 @@ def interpreter_experts() -> None:
         (6, 32, 4, 28, 2, 48, 40, SILU, torch.float32, {"block_k": 32}),  # many rows elsewhere
         (4, 8, 8, 0, 2, 32, 48, SITU, torch.float32, {"block_k": 16, "pre": 2}),  # pre-wait
         (2, 8, 8, 0, 2, 32, 24, SILU, torch.float32, {"block_k": 16, "pre": 3}),  # 2 > K tiles
+        (5, 16, 8, 4, 4, 40, 24, SILU, torch.bfloat16, {"combine": 1}),  # down combines
+        (20, 12, 12, 0, 3, 32, 32, SITU, torch.float32,              # 2 row chunks, combined
+         {"block_m": 16, "block_k": 16, "block_n_down": 16, "combine": 1}),
     ]
     for seed, (rows, e, local, off, k, w, i, act, dt, tactic) in enumerate(cases):
         err = check_routed_experts(rows, e, local, off, k, w, i, act, dt, "cpu", tactic=tactic,
                                    seed=seed)
         print(f"routed_experts rows={rows} E={e} local={local}+{off} k={k} {w}x{i} "
               f"{act['activation']} {dt}: {err:.2e}")
+    for seed, (rows, e, local, off, k, tactic) in enumerate([
+            (3, 8, 8, 0, 2, {"block_k": 16}), (5, 16, 8, 4, 4, {"block_k": 16}),
+            (20, 12, 12, 0, 3, {"block_m": 16, "block_k": 16, "block_n_down": 16})]):
+        check_combine_forms(rows, e, local, off, k, 40, 24, "cpu", tactic=tactic, seed=seed)
+        print(f"combine forms rows={rows} E={e} local={local}+{off} k={k}: equal")
     gen = torch.Generator().manual_seed(11)
     gate_up, down = expert_weights(12, 40, 24, gen, "cpu")
     for rows, pre in ((1, 0), (5, 0), (3, 1)):
@@ -173,25 +210,26 @@ def _meta(*shape: int, dtype: Any = torch.bfloat16) -> Any:
 
 def sm90_moe() -> None:
     """K3 per-rank expert and router launches compile well for sm_90."""
-    from stepgraph.runtime.kernels.moe import RoutedExperts, Router
+    from stepgraph.runtime.kernels.moe import MoeTactic, RoutedExperts, Router
     from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT
 
     width, inter, k = 3584, 3072, 16
-    for experts in (64, 112):
-        for rows in (1, 16, 32, 64):
-            launch = RoutedExperts(
-                _meta(rows, width, dtype=torch.float32), _meta(rows, k, dtype=torch.int32),
-                _meta(rows, k, dtype=torch.float32), _meta(experts, 2 * inter, width),
-                _meta(experts, width, inter), _meta(rows, width), **SITU)
-            launch.pdl = True  # meta tensors: compile the PDL form
-            for c in sm90_compiles(launch):
-                where = f"{c.name} experts={experts} rows={rows}"
-                print(f"{where}: {c.regs} regs, {c.spills} B spilled, {c.shared} B shared")
-                assert c.spills == 0 and c.shared <= SMEM_LIMIT, where
-                assert "griddepcontrol.wait" in c.ptx, f"{where}: no PDL wait"
-                if c.name != "_moe_combine_kernel":
-                    assert "async_copy" in c.ttgir or "async_tma" in c.ttgir, \
-                        f"{where}: the expert loop is not pipelined"
+    for experts, rows, combine in ((64, 1, 1), (64, 16, 1), (64, 32, 1), (64, 64, 1),
+                                   (112, 1, 1), (112, 64, 1), (112, 1, 0), (112, 64, 0)):
+        launch = RoutedExperts(
+            _meta(rows, width, dtype=torch.float32), _meta(rows, k, dtype=torch.int32),
+            _meta(rows, k, dtype=torch.float32), _meta(experts, 2 * inter, width),
+            _meta(experts, width, inter), _meta(rows, width), **SITU,
+            tactic=MoeTactic(combine=combine))
+        launch.pdl = True  # meta tensors: compile the PDL form
+        for c in sm90_compiles(launch):
+            where = f"{c.name} experts={experts} rows={rows} combine={combine}"
+            print(f"{where}: {c.regs} regs, {c.spills} B spilled, {c.shared} B shared")
+            assert c.spills == 0 and c.shared <= SMEM_LIMIT, where
+            assert "griddepcontrol.wait" in c.ptx, f"{where}: no PDL wait"
+            if c.name != "_moe_combine_kernel":
+                assert "async_copy" in c.ttgir or "async_tma" in c.ttgir, \
+                    f"{where}: the expert loop is not pipelined"
     for experts in (64, 112, 896):
         launch = Router(_meta(64, experts, dtype=torch.float32),
                         _meta(experts, dtype=torch.float32), _meta(64, k, dtype=torch.int32),
@@ -286,6 +324,18 @@ def test_routed_experts_other_ranks_gpu(k3_experts: dict[int, tuple[Any, Any]]) 
 
 @pytest.mark.gpu
 @CUDA
+@pytest.mark.parametrize("experts", (64, 112))
+def test_combine_forms_gpu(experts: int, k3_experts: dict[int, tuple[Any, Any]]) -> None:
+    """At K3 shapes the down launch's own combine writes the bits of the combine launch
+    (top-16 and, as a k3-rank-tp8 rank routes, top-2), rows 1..64."""
+    for rows in ROWS:
+        for top_k in (2, 16):
+            check_combine_forms(rows, experts, experts, 0, top_k, 3584, 3072, "cuda",
+                                weights=k3_experts[experts], seed=rows)
+
+
+@pytest.mark.gpu
+@CUDA
 @pytest.mark.parametrize("experts", (64, 112, 896))
 def test_router_gpu(experts: int) -> None:
     """The router at K3 expert counts, rows 1..64, sigmoid + bias and softmax."""
@@ -345,12 +395,13 @@ def check_moe_chain(rows: int, device: str, gate_up: Any, down: Any, top_k: int 
 @pytest.mark.gpu
 @CUDA
 @pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("pre", (0, 1))
-def test_moe_graph_with_pdl_gpu(rows: int, pre: int,
+@pytest.mark.parametrize(("pre", "combine"), ((0, 1), (1, 1), (1, 0)))
+def test_moe_graph_with_pdl_gpu(rows: int, pre: int, combine: int,
                                 k3_experts: dict[int, tuple[Any, Any]]) -> None:
     """The chain of :func:`check_moe_chain` at K3 shapes (64 experts) in a CUDA graph, the
-    down launch loading ``pre`` weight tiles (and so the routing) before its wait."""
-    check_moe_chain(rows, "cuda", *k3_experts[64], tactic={"pre": pre})
+    down launch loading ``pre`` weight tiles (and so the routing) before its wait, and
+    combining itself (``combine`` 1) or leaving it to a third launch."""
+    check_moe_chain(rows, "cuda", *k3_experts[64], tactic={"pre": pre, "combine": combine})
 
 
 if __name__ == "__main__":

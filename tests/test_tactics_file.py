@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,25 @@ def test_runtime_preferences_and_bench_recompile_use_the_recorded_table(tmp_path
     table.unlink()
     _preferences(artifact.graph, "h200", notes)
     assert len(notes) == 1 and "changed since this artifact was compiled" in notes[0]
+
+
+def test_a_variant_table_sets_a_field_in_every_decision(tmp_path: Path) -> None:
+    """scripts/tactics_variant.py: a field of a tabled op (routed_experts' optional combine)
+    and a tactic of an op without a table (kda_core's out_norm) reach every bin's decision of
+    the compiled K3 rank; the packaged table's own decisions lack both."""
+    variant = tmp_path / "variant.yaml"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tactics_variant.py"
+    done = subprocess.run([sys.executable, str(script), "routed_experts.combine=1",
+                           "kda_core.out_norm=1", "-o", str(variant)], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    spec = str(MODELS / "k3_rank_tp8.yaml")
+    for name, extra, want in (("plain.sgart", (), None),
+                              ("variant.sgart", ("--tactics", str(variant)), 1)):
+        out = tmp_path / name
+        result = run_cli("compile", spec, "--batches", "1,8,64", "-o", str(out), *extra)
+        assert result.returncode == 0, result.stderr
+        decisions = load_artifact(out).graph.meta["decisions"]
+        for node, field in (("l1.routed_experts", "combine"), ("l1.kda_core", "out_norm")):
+            for rows, decision in decisions[node].items():
+                assert decision["tactic"].get(field) == want, (name, node, rows, decision)

@@ -44,8 +44,43 @@ def _shape(t: TensorType) -> str:
     return "x".join(map(str, t.shape))
 
 
+def mix_epilogue_inputs(node: Node) -> int:
+    """Where the AttnRes epilogue's inputs start among a projection's inputs (after x, the
+    weight and the input norm's weight, when it has one)."""
+    return 3 if "input_norm_eps" in node.attrs else 2
+
+
+def _mix_epilogue(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
+    """The fuse pass's AttnRes epilogue of a projection: its product is row ``mix_at`` of
+    the step's ``mix_sources`` sources and ``mix_deltas`` deltas (not among the inputs);
+    the other inputs and outputs as ``attn_res_norm``'s."""
+    a = node.attrs
+    count, deltas, at = int(a["mix_sources"]), int(a["mix_deltas"]), int(a["mix_at"])
+    first = mix_epilogue_inputs(node)
+    if not 0 <= at < count + deltas:
+        raise TypeRuleError(f"mix_at {at} is not one of the {count} sources + {deltas} deltas")
+    if len(ins) != first + count + deltas - 1 + 3:
+        raise TypeRuleError(f"{len(ins)} inputs: the projection's {first}, {count} sources and "
+                            f"{deltas} deltas but the product, query, mix norm, norm weight")
+    if len(outs) != (3 if deltas else 2):
+        raise TypeRuleError(f"{len(outs)} outputs: the product, the normed rows and, with "
+                            "deltas, the prefix sum")
+    rows = list(ins[first:first + count + deltas - 1])
+    rows.insert(at, outs[0])
+    _mix_norm(Node(node.name, "attn_res_norm", node.inputs[first:], node.outputs[1:],
+                   {"sources": count, "deltas": deltas}),
+              [*rows, *ins[first + count + deltas - 1:]], outs[1:])
+
+
 def _matmul(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, w = ins[0], ins[1]
+    if "mix_sources" in node.attrs:
+        _mix_epilogue(node, ins, outs)
+        outs = outs[:1]
+        ins = ins[:mix_epilogue_inputs(node)]
+    if len(outs) != 1:
+        raise TypeRuleError(f"{len(outs)} outputs: a projection writes one (more with an "
+                            "AttnRes epilogue)")
     (out,) = outs
     if not (len(x.shape) == 2 and len(w.shape) == 2):
         raise TypeRuleError("projection takes x[R,K] and w[N,K]")
@@ -281,9 +316,10 @@ OPS: dict[str, OpDef] = {
         _op("attn_res_norm", "compute",
             "fused: prefix sum += deltas, the AttnRes mix, then RMSNorm (the fuse pass)",
             _mix_norm, 4, None),
-        _op("projection", "compute", "x @ W.T over a (possibly packed) weight", _matmul, 2),
+        _op("projection", "compute", "x @ W.T over a (possibly packed) weight", _matmul, 2,
+            None),
         _op("o_proj", "compute", "the attention output projection (row-parallel at TP)",
-            _matmul, 2),
+            _matmul, 2, None),
         _op("kda_core", "compute",
             "KDA: short conv + SiLU, decay gate, L2 norm, delta rule, gated RMSNorm", _kda, 6),
         _op("mla_query", "compute",

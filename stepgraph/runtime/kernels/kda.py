@@ -1,5 +1,5 @@
 """Triton kernels of the KDA decode / verify core (Kimi Delta Attention): three launches
-(four in bins of many rows).
+(four in bins of many rows; one less with the output norm inside the recurrence).
 
 0. :func:`_kda_gate_kernel` (bins of many rows), one program per (head, block of rows): the
    decay gate below as one tensor-core GEMM ``f_a @ f_b[head]^T``, so each head's f_b slab is
@@ -15,6 +15,8 @@
 2. :func:`_kda_recurrent_kernel`, one program per (request, head, V block): the delta rule on
    the float32 state ``[K, V]`` at the request's start slot, ``S *= exp(g); e = beta (v - S^T
    k); S += k e^T; o = S^T (q / sqrt(D))``, the state after token j written to row j's slot.
+   With ``out_norm`` (the provider's tactic ``out_norm`` 1) the last V block of each
+   (request, head) to finish also runs step 3 for that head's rows, and no launch follows.
 3. :func:`_kda_out_norm_kernel`, one program per (row, head): RMSNorm of o times ``o_norm``,
    times sigmoid of the output gate (full rank, or the low-rank ``g_b(g_a)`` GEMV).
 
@@ -32,10 +34,12 @@ then lets its dependents launch; it is off under the Triton interpreter.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from stepgraph.runtime.kernels.launch_utils import interpreting
+from stepgraph.runtime.kernels.launch_utils import interpreting, scratch
+from stepgraph.runtime.kernels.splitk_gemm import gpu_fence
 
 FB_PRE_RANK = 128  # the widest f_b slab the prep kernel holds whole (loaded before its wait)
 
@@ -263,15 +267,55 @@ def _kda_gate_kernel(
 
 
 @triton.jit
+def _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, onorm_ptr, out_ptr, out_stride, eps,
+                    row, h, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                    GRANK: tl.constexpr, BR: tl.constexpr, LOW_RANK: tl.constexpr,
+                    CG: tl.constexpr):
+    """Per-head RMSNorm of o times o_norm, times sigmoid of the output gate, of one (row,
+    head). ``CG``: o was written by other programs of this launch (read through L2)."""
+    d = tl.arange(0, BD)
+    mask = d < D
+    chan = h * D + d
+    weight = tl.load(onorm_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    if CG:
+        o = tl.load(o_ptr + (row * H + h) * D + d, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        o = tl.load(o_ptr + (row * H + h) * D + d, mask=mask, other=0.0)
+    o = o.to(tl.float32)
+    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * weight
+    if LOW_RANK:
+        gate = tl.zeros([BD], dtype=tl.float32)
+        for r0 in tl.static_range(0, GRANK, BR):
+            r = r0 + tl.arange(0, BR)
+            mask_r = r < GRANK
+            ga = tl.load(gate_ptr + row * gate_stride + r, mask=mask_r, other=0.0)
+            gb = tl.load(gb_ptr + chan[:, None] * GRANK + r[None, :],
+                         mask=mask[:, None] & mask_r[None, :], other=0.0)
+            gate += tl.sum(gb.to(tl.float32) * ga.to(tl.float32)[None, :], axis=1)
+    else:
+        gate = tl.load(gate_ptr + row * gate_stride + chan, mask=mask, other=0.0).to(tl.float32)
+    out = o * tl.sigmoid(gate)
+    tl.store(out_ptr + row * out_stride + chan, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _kda_recurrent_kernel(
     qn_ptr, kn_ptr, vo_ptr, g_ptr, beta_ptr,
     state_ptr, state_slot_stride,
     slots_ptr, accepted_ptr, o_ptr, scale,
+    gate_ptr, gate_stride, gb_ptr, onorm_ptr, out_ptr, out_stride, eps, sem_ptr,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, Q: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, OUT_NORM: tl.constexpr, GRANK: tl.constexpr, BR: tl.constexpr,
+    LOW_RANK: tl.constexpr, FENCE: tl.constexpr,
 ):
     """The delta rule of one (request, head, V block) on the float32 state [K, V]. The
-    state (only this op writes it) and the slots (step inputs) load before the PDL wait."""
+    state (only this op writes it) and the slots (step inputs) load before the PDL wait.
+
+    ``OUT_NORM``: each V block of a (request, head) counts itself done once its o is stored
+    (counter ``request * H + head`` in ``sem_ptr``); the last one runs the gated output
+    norm of the request's rows for that head (:func:`_gated_out_norm`), so no norm launch
+    follows, and leaves the counter at zero. ``FENCE``: a GPU fence orders o's stores
+    before the counter (off under the interpreter, which runs programs one at a time)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -303,6 +347,17 @@ def _kda_recurrent_kernel(
         tl.store(o_ptr + base + dv, o.to(o_ptr.dtype.element_ty), mask=mask_v)
         slot = tl.load(slots_ptr + row).to(tl.int64)
         tl.store(state_ptr + slot * state_slot_stride + within, state, mask=mask_s & (slot >= 0))
+    if OUT_NORM:
+        if FENCE:
+            gpu_fence(dv)
+        tl.debug_barrier()
+        done = tl.atomic_add(sem_ptr + n * H + h, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(2) - 1:  # every V block of this head has stored its o
+            for j in tl.static_range(Q):
+                _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, onorm_ptr, out_ptr,
+                                out_stride, eps, row0 + j, h, H, D, BD, GRANK, BR, LOW_RANK,
+                                True)
+            tl.atomic_xchg(sem_ptr + n * H + h, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -311,32 +366,12 @@ def _kda_out_norm_kernel(
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GRANK: tl.constexpr,
     BR: tl.constexpr, LOW_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """Per-head RMSNorm of o times o_norm, times sigmoid of the output gate, of one (row,
-    head)."""
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, BD)
-    mask = d < D
-    chan = h * D + d
-    weight = tl.load(onorm_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    """The gated output norm (:func:`_gated_out_norm`) of one (row, head)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    o = tl.load(o_ptr + (row * H + h) * D + d, mask=mask, other=0.0).to(tl.float32)
-    o = o * tl.rsqrt(tl.sum(o * o, axis=0) / D + eps) * weight
-    if LOW_RANK:
-        gate = tl.zeros([BD], dtype=tl.float32)
-        for r0 in tl.static_range(0, GRANK, BR):
-            r = r0 + tl.arange(0, BR)
-            mask_r = r < GRANK
-            ga = tl.load(gate_ptr + row * gate_stride + r, mask=mask_r, other=0.0)
-            gb = tl.load(gb_ptr + chan[:, None] * GRANK + r[None, :],
-                         mask=mask[:, None] & mask_r[None, :], other=0.0)
-            gate += tl.sum(gb.to(tl.float32) * ga.to(tl.float32)[None, :], axis=1)
-    else:
-        gate = tl.load(gate_ptr + row * gate_stride + chan, mask=mask, other=0.0).to(tl.float32)
-    out = o * tl.sigmoid(gate)
-    tl.store(out_ptr + row * out_stride + chan, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, onorm_ptr, out_ptr, out_stride, eps,
+                    tl.program_id(0), tl.program_id(1), H, D, BD, GRANK, BR, LOW_RANK, False)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -398,19 +433,43 @@ def launch_gate(f_a, f_b, dt_bias, a_log, g, *, heads: int, head_dim: int, gate_
 
 def launch_recurrent(qn, kn, vo, g, beta, state, slots, accepted, o, *, heads: int,
                      head_dim: int, q_len: int, block_v: int = 32, num_warps: int = 4,
-                     pdl: bool = False) -> None:
+                     out_norm: OutNorm | None = None, pdl: bool = False) -> None:
     """Enqueue the delta-rule kernel: ``state`` [S, H, D, D] float32 contiguous, updated in
-    place; ``o`` [rows, H, D] contiguous (float32 keeps the most precision)."""
+    place; ``o`` [rows, H, D] contiguous (float32 keeps the most precision). With
+    ``out_norm`` the kernel's last V block of each head also writes the gated output norm
+    (see :func:`launch_out_norm` for its tensors)."""
     rows = qn.shape[0]
     block_v = min(block_v, triton.next_power_of_2(head_dim))
     use_pdl = pdl_flag(pdl)
     grid = (rows // q_len, heads, triton.cdiv(head_dim, block_v))
+    norm = out_norm
+    gate = norm.gate if norm else o
+    low_rank = norm is not None and norm.g_b is not None
+    grank = norm.g_b.shape[1] if norm is not None and norm.g_b is not None else 1
     _kda_recurrent_kernel[grid](
         qn, kn, vo, g, beta, state, state.stride(0),
         slots, accepted if accepted is not None else slots, o, head_dim**-0.5,
+        gate, gate.stride(0), norm.g_b if low_rank else o, norm.o_norm if norm else o,
+        norm.out if norm else o, norm.out.stride(0) if norm else 0,
+        norm.eps if norm else 0.0, norm.sem if norm else slots,
         H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim), BV=block_v, Q=q_len,
-        USE_PDL=use_pdl, num_warps=num_warps, launch_pdl=use_pdl,
+        USE_PDL=use_pdl, OUT_NORM=norm is not None, GRANK=grank,
+        BR=min(32, triton.next_power_of_2(grank)), LOW_RANK=low_rank,
+        FENCE=not interpreting(), num_warps=num_warps, launch_pdl=use_pdl,
     )
+
+
+class OutNorm:
+    """The gated output norm's tensors when the recurrence runs it (see
+    :func:`launch_out_norm`), with the per-(request, head) counters it needs (zeroed
+    scratch, left at zero by every launch)."""
+
+    def __init__(self, gate, g_b, o_norm, out, *, requests: int, heads: int,
+                 eps: float) -> None:
+        self.gate, self.g_b, self.o_norm, self.out = gate, g_b, o_norm, out
+        self.eps = float(eps)
+        self.sem = scratch(out.device, "kda.out_norm_sem", requests * heads, torch.int32,
+                           zeroed=True)
 
 
 def launch_out_norm(o, gate, g_b, o_norm, out, *, heads: int, head_dim: int, eps: float,

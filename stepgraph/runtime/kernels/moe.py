@@ -1,5 +1,5 @@
 """Triton kernels of the MoE for decode row counts: the router (scores, biased top-k,
-renormalised weights) and the routed experts as three grouped launches.
+renormalised weights) and the routed experts as two or three grouped launches.
 
 Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``,
 ``down [E, W, I]`` -> ``out [R, W]``), all capturable (fixed grids, no host sync):
@@ -13,6 +13,11 @@ Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``
    row's routing weight into ``y[r * k + j]`` (float32).
 3. ``_moe_combine_kernel``: ``out[r] = sum_j y[r * k + j]`` over the row's experts held
    here (ids in ``[offset, offset + E)``), in the output's dtype; other ids add nothing.
+   With tactic ``combine`` 1 no third launch runs (default 0, until measured on the GPU:
+   docs/perf.md, ninth session): every down program counts
+   itself done on its column tile (an atomic counter, left at zero again), and the tile's
+   last one sums the tile's columns of every row the same way (:func:`combined_rows`), in
+   the same order, so the two forms write the same bits.
 
 The grid covers ``min(E, R * k)`` experts x tiles x ``ceil(R / BLOCK_M)`` chunks; programs
 past the active experts or rows return at once. A row's ids must be distinct (top-k).
@@ -33,8 +38,14 @@ import triton.language as tl
 
 from stepgraph.errors import UserError
 from stepgraph.runtime.kernels.activation import gated_act
-from stepgraph.runtime.kernels.launch_utils import dot_in_f32, next_pow2, pdl_allowed, scratch
-from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, mma
+from stepgraph.runtime.kernels.launch_utils import (
+    dot_in_f32,
+    interpreting,
+    next_pow2,
+    pdl_allowed,
+    scratch,
+)
+from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, gpu_fence, mma
 
 ACTIVATIONS = {"silu": 0, "situ": 1}
 MAX_ROWS = 512  # rows one launch routes (checked: sm_90 compiles without spills up to 512)
@@ -154,20 +165,48 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr,
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr,
+def combined_rows(y_ptr, ids_ptr, rows, offs, W, TOPK, expert_offset, E, stride_yr,
+                  stride_ir, stride_ij, K_PAD: tl.constexpr, CG: tl.constexpr):
+    """``sum_j y[rows * k + j, offs]`` (float32 ``[len(rows), len(offs)]``) over each row's
+    experts held here, in slot order (``rows`` a vector of row indices, negative ones masked
+    out). ``CG``: y was written by other programs of this launch, so it is read through L2
+    (``.cg``), never from a stale L1 line."""
+    js = tl.arange(0, K_PAD)
+    row_ok = rows >= 0
+    ids = tl.load(ids_ptr + rows[:, None] * stride_ir + js[None, :] * stride_ij,
+                  mask=row_ok[:, None] & (js < TOPK)[None, :], other=-1)
+    local = ids - expert_offset
+    ok = row_ok[:, None] & (js < TOPK)[None, :] & (local >= 0) & (local < E)
+    slots = (rows[:, None] * TOPK + js[None, :]).to(tl.int64)
+    ptrs = y_ptr + slots[:, :, None] * stride_yr + offs[None, None, :]
+    mask = ok[:, :, None] & (offs < W)[None, None, :]
+    if CG:
+        y = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        y = tl.load(ptrs, mask=mask, other=0.0)
+    return tl.sum(y, 1)
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr, out_ptr, sem_ptr,
                      R, W, INTER, TOPK, expert_offset, E, n_tiles, k_tiles,
                      stride_hr, stride_ir, stride_ij, stride_wr, stride_wj,
-                     stride_de, stride_dn, stride_dk, stride_yr,
+                     stride_de, stride_dn, stride_dk, stride_yr, stride_or, stride_on,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      CHUNKS: tl.constexpr, R_PAD: tl.constexpr, K_PAD: tl.constexpr,
                      E_PAD: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                     DOT_F32: tl.constexpr, PRE: tl.constexpr):
+                     DOT_F32: tl.constexpr, PRE: tl.constexpr, COMBINE: tl.constexpr,
+                     ACTIVE: tl.constexpr, COMBINE_ROWS: tl.constexpr, FENCE: tl.constexpr):
     """y[r*k + j, n-tile] = weight[r, j] * (h[r*k + j] @ down[e].T) for the chunk's rows.
 
     ``PRE`` > 0: the routing was written at least two launches back (the gate_up launch
     lets this one start only once its own wait has returned), so the expert, its rows and
     its first ``PRE`` weight tiles load before this launch's wait (the routing through L2:
-    ``.cg``, never a stale L1 line)."""
+    ``.cg``, never a stale L1 line). ``COMBINE``: each of the ``ACTIVE`` x ``CHUNKS``
+    programs of a column tile counts itself done (counter ``n-tile`` in ``sem_ptr``); the
+    last sums the tile of every row into ``out`` (``COMBINE_ROWS`` rows at a time) and
+    leaves the counter at zero. ``FENCE``: order y's stores before the counter with a GPU
+    fence (off under the interpreter, which runs programs one at a time)."""
     pid = tl.program_id(0)
     c = pid % CHUNKS
     t = pid // CHUNKS
@@ -214,6 +253,21 @@ def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr,
         y = acc * wt.to(tl.float32)[None, :]
         tl.store(y_ptr + slot[None, :].to(tl.int64) * stride_yr + offs_n[:, None], y,
                  mask=n_ok[:, None] & valid_m[None, :])
+    if COMBINE:
+        if FENCE:
+            gpu_fence(offs_n)
+        tl.debug_barrier()
+        done = tl.atomic_add(sem_ptr + nt, 1, sem="acq_rel", scope="gpu")
+        if done == ACTIVE * CHUNKS - 1:  # every program of this column tile has stored y
+            for r0 in range(0, R, COMBINE_ROWS):
+                rows = r0 + tl.arange(0, COMBINE_ROWS)
+                total = combined_rows(y_ptr, ids_ptr, tl.where(rows < R, rows, -1), offs_n, W,
+                                      TOPK, expert_offset, E, stride_yr, stride_ir, stride_ij,
+                                      K_PAD, True)
+                tl.store(out_ptr + rows[:, None] * stride_or + offs_n[None, :] * stride_on,
+                         total.to(out_ptr.dtype.element_ty),
+                         mask=(rows < R)[:, None] & n_ok[None, :])
+            tl.atomic_xchg(sem_ptr + nt, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -223,19 +277,14 @@ def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, W, TOPK, expert_offset, E,
     """out[r, cols] = sum over the row's experts held here of y[r*k + j, cols]."""
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    js = tl.arange(0, K_PAD)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    ids = tl.load(ids_ptr + row * stride_ir + js * stride_ij, mask=js < TOPK, other=-1)
-    local = ids - expert_offset
-    ok = (js < TOPK) & (local >= 0) & (local < E)
-    col_ok = offs < W
-    y = tl.load(y_ptr + (row * TOPK + js)[:, None].to(tl.int64) * stride_yr + offs[None, :],
-                mask=ok[:, None] & col_ok[None, :], other=0.0)
+    total = combined_rows(y_ptr, ids_ptr, row + tl.arange(0, 1), offs, W, TOPK, expert_offset,
+                          E, stride_yr, stride_ir, stride_ij, K_PAD, False)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tl.store(out_ptr + row * stride_or + offs * stride_on,
-             tl.sum(y, 0).to(out_ptr.dtype.element_ty), mask=col_ok)
+    tl.store(out_ptr + row * stride_or + offs[None, :] * stride_on,
+             total.to(out_ptr.dtype.element_ty), mask=(offs < W)[None, :])
 
 
 @triton.jit
@@ -294,7 +343,8 @@ class MoeTactic:
     the rows), ``block_n_gate_up`` columns of each of gate and up a program,
     ``block_n_down`` output columns a down program, ``block_k``, ``stages``, ``warps``, and
     ``pre``: K tiles of down's weights each down program loads before its PDL wait (0: none;
-    rounded down to a power of two)."""
+    rounded down to a power of two); ``combine``: 1, the down launch's last program of each
+    column tile sums the experts' outputs; 0, a third launch does."""
 
     block_m: int = 0
     block_n_gate_up: int = 64
@@ -303,6 +353,7 @@ class MoeTactic:
     stages: int = 3
     warps: int = 4
     pre: int = 0
+    combine: int = 0
 
     @classmethod
     def from_mapping(cls, tactic: Mapping[str, Any] | None) -> MoeTactic:
@@ -321,10 +372,11 @@ def _stages(stages: int, stage_bytes: int) -> int:
 
 
 class RoutedExperts:
-    """A prepared routed-experts launch (three kernels) over bound tensors: ``x [R, W]``,
-    ``ids [R, k]`` int32, ``weights [R, k]`` float32, ``gate_up [E, 2I, W]``,
-    ``down [E, W, I]``, ``out [R, W]``; experts ``[expert_offset, expert_offset + E)`` are
-    held here. Calling it enqueues the launches. Capturable."""
+    """A prepared routed-experts launch (two kernels, three with tactic ``combine`` 0) over
+    bound tensors: ``x [R, W]``, ``ids [R, k]`` int32, ``weights [R, k]`` float32,
+    ``gate_up [E, 2I, W]``, ``down [E, W, I]``, ``out [R, W]``; experts
+    ``[expert_offset, expert_offset + E)`` are held here. Calling it enqueues the launches.
+    Capturable."""
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor, *,
@@ -378,9 +430,14 @@ class RoutedExperts:
         slots = rows * top_k
         self.h = scratch(out.device, "moe_h", slots * inter, torch.bfloat16).view(slots, inter)
         self.y = scratch(out.device, "moe_y", slots * width, torch.float32).view(slots, width)
+        self.combine = bool(t.combine)
+        # rows the fused combine sums at a time: [rows, k, block_n] float32, 16 K elements
+        self.combine_rows = max(1, min(next_pow2(rows), 16384 // (self.k_pad * self.bn_dn)))
+        self.sem = (scratch(out.device, "moe_sem", self.tiles_dn, torch.int32, zeroed=True)
+                    if self.combine else self.ids)
 
     def __call__(self) -> None:
-        """Enqueue gate_up + activation, down + routing weight, combine."""
+        """Enqueue gate_up + activation, down + routing weight (+ combine)."""
         if self.rows == 0:
             return
         x, ids, wts, gu, dn, out, h, y = (self.x, self.ids, self.weights, self.gate_up,
@@ -398,12 +455,16 @@ class RoutedExperts:
             BLOCK_N=self.bn_gu, ACT=self.act, EVEN_K=self.width % self.block_k == 0,
             num_stages=self.stages_gu, **common)
         _moe_down_kernel[(self.active * self.tiles_dn * self.chunks,)](
-            h, ids, wts, dn, y, self.rows, self.width, self.inter, self.top_k, self.offset,
-            self.experts, self.tiles_dn, triton.cdiv(self.inter, self.block_k),
+            h, ids, wts, dn, y, out, self.sem, self.rows, self.width, self.inter, self.top_k,
+            self.offset, self.experts, self.tiles_dn, triton.cdiv(self.inter, self.block_k),
             h.stride(0), ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
-            dn.stride(0), dn.stride(1), dn.stride(2), y.stride(0),
+            dn.stride(0), dn.stride(1), dn.stride(2), y.stride(0), out.stride(0),
+            out.stride(1),
             BLOCK_N=self.bn_dn, EVEN_K=self.inter % self.block_k == 0, PRE=self.pre,
-            num_stages=self.stages_dn, **common)
+            COMBINE=self.combine, ACTIVE=self.active, COMBINE_ROWS=self.combine_rows,
+            FENCE=not interpreting(), num_stages=self.stages_dn, **common)
+        if self.combine:
+            return
         _moe_combine_kernel[(self.rows, triton.cdiv(self.width, COMBINE_BLOCK))](
             y, ids, out, self.width, self.top_k, self.offset, self.experts,
             y.stride(0), ids.stride(0), ids.stride(1), out.stride(0), out.stride(1),

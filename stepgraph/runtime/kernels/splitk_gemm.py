@@ -49,7 +49,7 @@ def mma(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _gpu_fence(anchor):
+def gpu_fence(anchor):
     """``fence.acq_rel.gpu`` in every thread (``anchor``: any tensor, for the thread layout):
     this thread's earlier stores are ordered before its later atomics, GPU-wide."""
     tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [anchor],
@@ -73,7 +73,7 @@ def _store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, tile, out_ptr, ws_pt
         tl.store(ws, acc, mask=mask)
         if FUSED:
             if FENCE:
-                _gpu_fence(offs_w)
+                gpu_fence(offs_w)
             tl.debug_barrier()
             done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT - 1:  # the other splits' partials are all stored

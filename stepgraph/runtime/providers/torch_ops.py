@@ -228,6 +228,9 @@ def input_norm_launch(ctx: PrepareContext, x: torch.Tensor, weight: torch.Tensor
 
 def _cublas_projection(ctx: PrepareContext) -> Launch:
     check_one_rank(ctx.node)
+    if "mix_sources" in ctx.node.attrs:
+        raise NotImplementedError(f"node {ctx.node.name}: an AttnRes epilogue (the torch "
+                                  "provider runs it)")
     x, w = ctx.inputs()[:2]
     (out,) = ctx.outputs()
     if "input_norm_eps" not in ctx.node.attrs:

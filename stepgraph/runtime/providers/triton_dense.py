@@ -26,6 +26,9 @@ from stepgraph.runtime.providers.torch_ops import input_norm_dtype
 def _projection(ctx: PrepareContext) -> Launch:
     """``out = x @ W.T`` by the split-K skinny GEMM with the bin's tactic (of the rows'
     RMSNorm when the fuse pass gave the node an input norm)."""
+    if "mix_sources" in ctx.node.attrs:
+        raise NotImplementedError(f"node {ctx.node.name}: an AttnRes epilogue (the torch "
+                                  "provider runs it)")
     x, weight = ctx.inputs()[:2]
     (out,) = ctx.outputs()
     tactic = SplitKTactic.from_mapping(ctx.tactic, x.shape[0])

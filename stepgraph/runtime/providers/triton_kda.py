@@ -4,7 +4,10 @@ fla-core's ``fused_recurrent_kda`` recurrence, in place on the state pool).
 
 Bins of at least ``GATE_KERNEL_ROWS`` rows (tactic key ``gate_rows``) compute the decay gate
 in a separate GEMM kernel; smaller bins compute it inside the prep kernel (one launch less).
-Tactic keys: ``block_v`` and ``num_warps`` of the recurrence, ``gate_rows``.
+With tactic key ``out_norm`` 1 our recurrence also runs the gated output norm (its last V
+block of each head) and the norm launch is gone; by default (0, until measured on the GPU),
+and always with fla's recurrence, the norm is a launch of its own.
+Tactic keys: ``block_v`` and ``num_warps`` of the recurrence, ``gate_rows``, ``out_norm``.
 
 Both handle decode (q = 1) and verify (q > 1) steps. Slots: ``triton`` follows the
 reference exactly (a negative slot reads zeros and writes nothing); fla-core cannot skip a
@@ -187,16 +190,22 @@ def kda_launch(attrs: dict[str, Any], ins: list[torch.Tensor], out: torch.Tensor
     common = dict(heads=heads, head_dim=dim, q_len=q_len)
     requests = rows // q_len
     fla_slots = fla_accepted = None
+    out_norm: kernels.OutNorm | None = None  # the triton recurrence runs the output norm
     recurrent: Callable[[], None]
     if recurrence == "fla":
         fla_slots = scratch(device, "kda.fla_slots", rows, torch.int32)
         fla_accepted = scratch(device, "kda.fla_accepted", requests, torch.int32)
         recurrent = _fla_recurrence(ops, work, fla_slots, fla_accepted, heads, dim, q_len)
     else:
+        if int(tactic.get("out_norm", 0)):
+            out_norm = kernels.OutNorm(ops.gate, ops.g_b, ops.o_norm, ops.out,
+                                       requests=requests, heads=heads, eps=float(attrs["eps"]))
+
         def recurrent() -> None:
             kernels.launch_recurrent(work.q, work.k, work.v, work.g, work.beta, ops.state,
                                      ops.slots, ops.accepted, work.o, block_v=block_v,
-                                     num_warps=warps, pdl=use_pdl, **common)
+                                     num_warps=warps, out_norm=out_norm, pdl=use_pdl,
+                                     **common)
 
     def launch() -> None:
         for fill in ops.fills:
@@ -213,9 +222,10 @@ def kda_launch(attrs: dict[str, Any], ins: list[torch.Tensor], out: torch.Tensor
             lower_bound=attrs.get("gate_lower_bound"), fla_slots=fla_slots,
             fla_accepted=fla_accepted, gate=not gate_kernel, pdl=use_pdl, **common)
         recurrent()
-        kernels.launch_out_norm(work.o, ops.gate, ops.g_b, ops.o_norm, ops.out,
-                                eps=float(attrs["eps"]), pdl=use_pdl, heads=heads,
-                                head_dim=dim)
+        if out_norm is None:
+            kernels.launch_out_norm(work.o, ops.gate, ops.g_b, ops.o_norm, ops.out,
+                                    eps=float(attrs["eps"]), pdl=use_pdl, heads=heads,
+                                    head_dim=dim)
 
     return launch
 

@@ -3,8 +3,9 @@ attention, LSE merge: :mod:`stepgraph.runtime.kernels.mla`), with DCP's two outp
 rank's o_latent and LSE, merged over its splits, not across ranks); ``triton`` for
 ``mla_query`` (q_a's RMSNorm in Triton, q_b as one split-K launch (PDL, the GEMV form at one
 row), the W_UK absorption and the rope part in Triton; DSA's indexer query as one torch
-matmul) and ``mla_value``
-(W_UV and the output gate in one Triton kernel).
+matmul; tactic ``norm_inside`` 1, not for DSA: the RMSNorm is q_b's input norm instead, so
+at one row the GEMV normalizes while it streams and the norm launch is gone) and
+``mla_value`` (W_UV and the output gate in one Triton kernel).
 
 ``dsa_core`` (``triton_sparse``): the latent and indexer-key cache writes, the indexer's
 scores over every token of the block table (-inf past a row's tokens) in Triton, the top-k as
@@ -33,7 +34,7 @@ import torch
 from stepgraph.errors import UserError
 from stepgraph.runtime.kernels import mla as kernels
 from stepgraph.runtime.kernels.launch_utils import dot_in_f32, interpreting, pdl_allowed, scratch
-from stepgraph.runtime.kernels.splitk_gemm import SplitKGemm, SplitKTactic
+from stepgraph.runtime.kernels.splitk_gemm import InputNorm, SplitKGemm, SplitKTactic
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
 
 DEVICES = ("cuda", "cpu") if interpreting() else ("cuda",)
@@ -164,9 +165,11 @@ def _absorb_dims(attrs: dict[str, Any]) -> tuple[int, int, int, int]:
 
 
 def mla_query_launch(attrs: dict[str, Any], ins: list[torch.Tensor], outs: list[torch.Tensor],
-                     device: torch.device, pdl: bool) -> Launch:
+                     device: torch.device, pdl: bool, tactic: dict[str, Any] | None = None
+                     ) -> Launch:
     """The launch of one mla_query node (inputs in the order of
-    :func:`stepgraph.frontend.build_mla`)."""
+    :func:`stepgraph.frontend.build_mla`); tactic ``norm_inside`` 1: q_a's RMSNorm is q_b's
+    input norm (see the module docstring)."""
     ins = list(ins)
     heads, nope, rope, v_dim = _absorb_dims(attrs)
     has_rope = attrs.get("rope_theta") is not None
@@ -190,16 +193,20 @@ def mla_query_launch(attrs: dict[str, Any], ins: list[torch.Tensor], outs: list[
         q_a, q_norm, q_b = ins
         q_a, fill = last_dim_operand(q_a, "q_a")
         fills.append(fill)
-        q_resid = scratch(device, "mla.q_resid", rows * q_a.shape[1], act).view(rows, -1)
         query = scratch(device, "mla.q", rows * q_b.shape[0], act).view(rows, -1)
         eps = float(attrs["eps"])
+        q_b_tactic = SplitKTactic.from_mapping(None, rows)
+        if dsa or not int((tactic or {}).get("norm_inside", 0)):
+            # the normed rows stored (DSA's indexer query reads them too)
+            q_resid = scratch(device, "mla.q_resid", rows * q_a.shape[1], act).view(rows, -1)
+            q_b_gemm = SplitKGemm(q_resid, q_b, query, q_b_tactic, pdl=pdl)
 
-        q_b_gemm = SplitKGemm(q_resid, q_b, query, SplitKTactic.from_mapping(None, rows),
-                              pdl=pdl)
-
-        def project() -> None:
-            kernels.launch_rmsnorm_rows(q_a, q_norm, q_resid, eps=eps, pdl=use_pdl)
-            q_b_gemm()
+            def project() -> None:
+                kernels.launch_rmsnorm_rows(q_a, q_norm, q_resid, eps=eps, pdl=use_pdl)
+                q_b_gemm()
+        else:  # the norm inside q_b's GEMV at one row (SplitKGemm's input norm)
+            project = SplitKGemm(q_a, q_b, query, q_b_tactic, pdl=pdl,
+                                 norm=InputNorm(q_norm, eps, act))
     else:
         (query,) = ins
         query, fill = last_dim_operand(query, "q")
@@ -269,7 +276,7 @@ def mla_value_launch(attrs: dict[str, Any], ins: list[torch.Tensor], out: torch.
 def mla_query_triton(ctx: PrepareContext) -> Launch:
     """mla_query: the absorbed query (see the module docstring)."""
     return mla_query_launch(dict(ctx.node.attrs), list(ctx.inputs()), list(ctx.outputs()),
-                            ctx.device, ctx.pdl)
+                            ctx.device, ctx.pdl, dict(ctx.tactic or {}))
 
 
 @register("mla_value", "triton", DEVICES, note="W_UV and the output gate, one Triton kernel")

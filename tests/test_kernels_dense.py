@@ -105,6 +105,53 @@ def check_projection(rows: int, n: int, k: int, tactic: dict[str, int], out_dtyp
     return err
 
 
+def check_projection_mix(rows: int, n: int, k: int, tactic: dict[str, int], sources: int,
+                         deltas: int, at: int, device: str, norm: bool = False,
+                         pdl: bool = False, seed: int = 0, launches: int = 2) -> list[float]:
+    """The splitk provider with the fuse pass's AttnRes epilogue: the product is row ``at``
+    of a step of ``sources`` sources and ``deltas`` deltas (the others fresh random BF16
+    rows, of different scales so the mix matters); every output NaN-poisoned before each of
+    ``launches`` launches (the epilogue's row counters must be left at zero). Returns the
+    relative errors of [product, normed, prefix] against the reference op (the last run)."""
+    from stepgraph.runtime.providers.triton_dense import _projection
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 1.0) -> Any:
+        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(device)
+
+    ins = [rnd(rows, k, scale=3.0), rnd(n, k, scale=k ** -0.5)]
+    attrs: dict[str, Any] = {"mix_sources": sources, "mix_deltas": deltas, "mix_at": at,
+                             "mix_eps": 1e-6, "mix_norm_eps": 1e-5}
+    if norm:
+        ins.append((1.0 + 0.5 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(device))
+        attrs.update(input_norm_eps=1e-5, input_norm_dtype="bfloat16")
+    ins += [rnd(rows, n, scale=0.5 + i) for i in range(sources + deltas - 1)]
+    ins += [rnd(n), (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16).to(device),
+            (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16).to(device)]
+    outs = [torch.empty(rows, n, dtype=torch.bfloat16, device=device)
+            for _ in range(3 if deltas else 2)]
+    node = node_of("projection", len(ins), len(outs), **attrs)
+    launch = _projection(context(node, [*ins, *outs], pdl=pdl, tactic=tactic))
+    where = (f"projection + AttnRes step rows={rows} {n}x{k} tactic={tactic} "
+             f"sources={sources} deltas={deltas} at={at} norm={norm}")
+    inside = tactic.get("n_tile") == 1 and tactic.get("split", 1) == 1  # the GEMV's own
+    assert (launch.mix is not None) == inside == (launch.mix_launch is None), where
+    for _ in range(launches):
+        for out in outs:
+            out.fill_(float("nan"))
+        launch()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for i, out in enumerate(outs):
+            assert not torch.isnan(out).any(), f"{where}: NaN (unwritten) in output {i}"
+    refs = ref_op("projection", [t.float() for t in ins], attrs,
+                  [torch.bfloat16] * len(outs))
+    errors = [rel_err(out, ref) for out, ref in zip(outs, refs, strict=True)]
+    assert max(errors) < TOL_BF16, f"{where}: relative errors {errors}"
+    return errors
+
+
 def _poisoned(rows: int, width: int, dtype: Any, device: str, pad: int = 0) -> Any:
     base = torch.full((rows, width + 2 * pad), float("nan"), dtype=dtype, device=device)
     return base[:, pad:pad + width]
@@ -212,6 +259,18 @@ def interpreter_projection() -> None:
         err = check_projection(rows, n, k, tactic, torch.bfloat16, "cpu", seed=20 + seed,
                                norm=True)
         print(f"projection with an input norm rows={rows} {t}: {err:.2e}")
+    # with the AttnRes step as its epilogue: inside the GEMV (one row: the last program of the
+    # row; 2 rows: two counters), the product a delta or a block's first source, with and
+    # without the input norm; a step launch after the GEMV with 2 splits and the MMA form
+    for seed, (rows, t, sources, deltas, at, norm) in enumerate((
+            (1, (8, 1, 1, 2), 2, 1, 2, False), (2, (16, 1, 1, 2), 2, 2, 2, True),
+            (1, (8, 1, 1, 3), 3, 0, 2, False), (1, (32, 1, 1, 2), 2, 2, 3, True),
+            (1, (8, 1, 2, 2), 2, 1, 2, False), (3, (32, 16, 1, 2), 3, 1, 3, True))):
+        tactic = {**_tactic(t), "k_tile": 32}
+        errors = check_projection_mix(rows, 200, 96, tactic, sources, deltas, at, "cpu",
+                                      norm=norm, seed=40 + seed)
+        print(f"projection + AttnRes step rows={rows} {t} {sources}+{deltas} at {at}: "
+              f"{max(errors):.2e}")
 
 
 def interpreter_small_ops() -> None:
@@ -227,10 +286,11 @@ def interpreter_small_ops() -> None:
         print(f"gated mlp rows={rows} {tactic}: {err:.2e}")
 
 
-def interpreter_runtime() -> None:
+def interpreter_runtime(epilogues: bool = False) -> None:
     """tiny_k3 through the runtime on CPU with these providers (registered for the CPU here;
     ``splitk`` standing in for every cuBLAS projection) against the reference executor over
-    a few decode steps with padded rows."""
+    a few decode steps with padded rows; ``epilogues``: compiled with the fuse pass's AttnRes
+    epilogues (inside the GEMV at one row, a step launch after the product in larger bins)."""
     import numpy as np
     from conftest import MODELS
 
@@ -254,7 +314,20 @@ def interpreter_runtime() -> None:
             ("routed_experts", "triton_fused_moe", tm.routed_experts)):
         REGISTRY.add(ProviderEntry(op, provider, factory, ("cuda", "cpu")))
     spec = load_spec(MODELS / "tiny_k3.yaml")
-    graph, _ = compile_graph(spec, override_deployment(spec.deployment, target="h200"))
+    tables = None
+    if epilogues:
+        import tempfile
+
+        import yaml
+
+        from stepgraph.tactics import table_path
+
+        data = yaml.safe_load(table_path("h200").read_text())
+        data["fuse"] = {"mix_epilogue": True, "source": "interpreter check"}
+        tables = Path(tempfile.mkdtemp()) / "epilogues.yaml"
+        tables.write_text(yaml.safe_dump(data))
+    graph, _ = compile_graph(spec, override_deployment(spec.deployment, target="h200"),
+                             tables_path=tables)
     step = load(graph, weights="random", device="cpu", dtype="float32", block_size=4,
                 max_context=16, progress=False, allow_target_mismatch=True)
     report = step.report()
@@ -262,8 +335,9 @@ def interpreter_runtime() -> None:
     # (tiny_k3 has no rmsnorm launch left: the fuse pass made each its projection's input
     # norm, which the split-K GEMM standing in for cuBLAS computes)
     assert any("input_norm_eps" in n.attrs for n in graph)
+    assert any("mix_sources" in n.attrs for n in graph) == epilogues
     for needle in ("routed_experts:triton_fused_moe", "router:triton", "projection:cublas",
-                   "attn_res_norm:triton"):
+                   *(() if epilogues else ("attn_res_norm:triton",))):
         assert needle in report, f"the runtime did not pick {needle}"
     prompts = [[1, 2, 3], [10, 20], [200, 100, 50], [7]]  # 4, 4, 3 (one padded) rows
     got = run_prompts(CompiledDecodeRunner(step), prompts)
@@ -333,6 +407,42 @@ def sm90_projection() -> None:
         assert c.loads_before_wait(), f"{n}x{k} input norm: no weight load before the wait"
 
 
+def sm90_projection_mix() -> None:
+    """The one-row GEMVs that take the AttnRes step as their epilogue at k3-rank-tp8's
+    tactics (o_proj 7168 x 1536, routed_expert_up 7168 x 3584 with its input norm), with
+    the steps K3 has (2 sources + 1 or 2 deltas, 3 sources + 0 or 1): no spills, no shared
+    memory staging, and no more registers than the GEMV without it (its programs an SM)."""
+    from stepgraph.runtime.kernels.splitk_gemm import (
+        InputNorm,
+        MixEpilogue,
+        SplitKGemm,
+        SplitKTactic,
+    )
+
+    for n, k, t, norm in ((7168, 1536, (32, 1, 1, 2, 0, 8), False),
+                          (7168, 3584, (32, 1, 1, 2, 0, 8), True)):
+        input_norm = InputNorm(_meta(k), 1e-5, torch.bfloat16) if norm else None
+        plain = SplitKGemm(_meta(1, k), _meta(n, k), _meta(1, n), SplitKTactic(*t),
+                           norm=input_norm)
+        plain.pdl = True
+        (base,) = sm90_compiles(plain)
+        for sources, deltas in ((2, 1), (2, 2), (3, 0), (3, 1)):
+            out = _meta(1, n)
+            rows = [out, *(_meta(1, n) for _ in range(sources + deltas - 1))]
+            mix = MixEpilogue(tuple(rows), sources, _meta(n), _meta(n), _meta(n), _meta(1, n),
+                              _meta(1, n) if deltas else None, 1e-6, 1e-5)
+            gemm = SplitKGemm(_meta(1, k), _meta(n, k), out, SplitKTactic(*t),
+                              norm=input_norm, mix=mix)
+            gemm.pdl = True
+            (c,) = sm90_compiles(gemm)
+            where = f"{n}x{k} norm={norm} step {sources}+{deltas}"
+            print(f"{c.name} {where}: {c.regs} regs (without the step {base.regs}), "
+                  f"{c.spills} B spilled, {c.shared} B shared")
+            assert c.spills == 0 and c.shared <= 4096, where
+            assert c.regs <= max(base.regs, 128), f"{where}: {c.regs} registers"
+            assert c.loads_before_wait() and "atom" in c.ptx, where
+
+
 def sm90_small_ops() -> None:
     """rmsnorm / add / attn_res_mix / attn_res_norm at K3 widths compile for sm_90 without
     spills."""
@@ -380,7 +490,9 @@ CHECKS = {
     "interp-projection": interpreter_projection,
     "interp-small": interpreter_small_ops,
     "interp-runtime": interpreter_runtime,
+    "interp-runtime-mix": lambda: interpreter_runtime(epilogues=True),
     "sm90-projection": sm90_projection,
+    "sm90-mix": sm90_projection_mix,
     "sm90-small": sm90_small_ops,
 }
 
@@ -395,15 +507,17 @@ def test_interpreter(check: str) -> None:
 
 @needs_triton
 @pytest.mark.slow
-def test_interpreter_runtime_tiny_k3() -> None:
-    """tiny_k3 through the runtime with these providers in the interpreter vs the reference."""
-    result = run_script(HERE, "interp-runtime", interpret=True)
+@pytest.mark.parametrize("check", ["interp-runtime", "interp-runtime-mix"])
+def test_interpreter_runtime_tiny_k3(check: str) -> None:
+    """tiny_k3 through the runtime with these providers in the interpreter vs the reference
+    (and with the AttnRes steps as the epilogues of the projections before them)."""
+    result = run_script(HERE, check, interpret=True)
     assert result.returncode == 0, explain(result)
 
 
 @needs_triton
 @pytest.mark.slow
-@pytest.mark.parametrize("check", ["sm90-projection", "sm90-small"])
+@pytest.mark.parametrize("check", ["sm90-projection", "sm90-mix", "sm90-small"])
 def test_sm90_compile(check: str) -> None:
     """The launches at K3 shapes compile for sm_90 (no GPU needed) without spills, with PDL."""
     result = run_script(HERE, check, interpret=False)
@@ -550,6 +664,25 @@ def test_projection_with_input_norm_gpu(rows: int) -> None:
         err = rel_err(out, ref)
         print(f"input norm rows={rows} replay {replay}: {err:.2e}")
         assert err < TOL_BF16, f"rows={rows} replay {replay}: relative error {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", (1, 2, 8))
+def test_projection_with_mix_epilogue_gpu(rows: int) -> None:
+    """k3-rank-tp8's o_proj (7168 x 1536) and routed_expert_up (7168 x 3584, input norm)
+    with the AttnRes step as their epilogue, in the one-row GEMV (PDL; the row counters
+    under concurrency) and, at 8 rows, the MMA form with a step launch after; launched
+    three times on the same inputs with the outputs poisoned in between."""
+    cases = [((7168, 1536, (32, 1, 1, 2, 0, 8), False), (2, 1, 2)),
+             ((7168, 3584, (32, 1, 1, 2, 0, 8), True), (2, 2, 2)),
+             ((7168, 1536, (32, 1, 1, 2, 0, 8), False), (3, 0, 2)),
+             ((7168, 3584, (32, 1, 1, 2, 0, 8), True), (3, 1, 3))]
+    for (n, k, t, norm), (sources, deltas, at) in cases:
+        tactic = _tactic(t) if rows < 8 else _tactic((128, 16, 1, 4))
+        errors = check_projection_mix(rows, n, k, tactic, sources, deltas, at, "cuda",
+                                      norm=norm, pdl=True, seed=rows, launches=3)
+        print(f"rows={rows} {n}x{k} step {sources}+{deltas}: {errors}")
 
 
 def check_chain(rows: int, device: str, hidden: int = 7168, n1: int = 6288, n2: int = 7168,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from stepgraph.errors import UserError
-from stepgraph.runtime.kernels.elementwise import RmsNorm
+from stepgraph.runtime.kernels.elementwise import AttnResNorm, RmsNorm, mix_norm_sweeps
 from stepgraph.runtime.kernels.launch_utils import (
     dot_in_f32,
     interpreting,
@@ -178,9 +178,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                  R, N, K, chunks_per_split,
                  stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
                  g_ptr, eps,
+                 mix_srcs, mix_strides, mix_deltas, mix_delta_strides, mix_q_ptr, mix_n_ptr,
+                 mix_w_ptr, mix_out_ptr, mix_prefix_ptr, mix_probs_ptr, mix_sem_ptr,
+                 mix_stride_or, mix_stride_pr, mix_eps, mix_norm_eps,
                  BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, DEPTH: tl.constexpr,
                  SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr,
-                 USE_PDL: tl.constexpr, NORM: tl.constexpr):
+                 USE_PDL: tl.constexpr, NORM: tl.constexpr, MIX: tl.constexpr,
+                 MIX_SRC: tl.constexpr, MIX_DELTA: tl.constexpr, MIX_PAD: tl.constexpr,
+                 MIX_CHUNK: tl.constexpr):
     """Partial (or whole) ``x[row] @ w.T`` of one weight tile and K split, for one batch row,
     without the MMA: products accumulate in float32 registers, reduced once at the end.
 
@@ -191,7 +196,13 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     streams at its own pace. Each row of a bin re-reads the weights (through L2), so tables
     give this form to one-row bins. ``NORM`` (one split): the rows are RMS-normalized with
     weight ``g`` on the way: each chunk of x is scaled by g's chunk and its squares summed,
-    and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end."""
+    and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end.
+
+    ``MIX`` (one split): the AttnRes step whose row the output is (the fuse pass's
+    epilogue, ``mix_*``: sources and deltas with this output among them) runs in the last
+    program of each row to store its tile (a counter per row in ``mix_sem_ptr``, left at
+    zero again), in column sweeps (:func:`mix_norm_sweeps`, one stage: no shared-memory
+    staging)."""
     pid_w = tl.program_id(0)
     pid_s = tl.program_id(1)
     row = tl.program_id(2)
@@ -245,6 +256,17 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     _store_tile(part, offs_w, offs_r, w_rows, offs_r < R, pid_s,
                 row * tl.num_programs(0) + pid_w, out_ptr, ws_ptr, sem_ptr, R, N,
                 stride_or, stride_on, SPLIT, FUSED, FENCE)
+    if MIX:
+        if FENCE:
+            gpu_fence(offs_w)
+        tl.debug_barrier()
+        done = tl.atomic_add(mix_sem_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:  # every tile of this row is stored
+            mix_norm_sweeps(row, mix_srcs, mix_strides, mix_deltas, mix_delta_strides,
+                            mix_q_ptr, mix_n_ptr, mix_w_ptr, mix_out_ptr, mix_prefix_ptr,
+                            mix_probs_ptr, N, mix_stride_or, mix_stride_pr, mix_eps,
+                            mix_norm_eps, MIX_SRC, MIX_DELTA, MIX_PAD, MIX_CHUNK, 1, True)
+            tl.atomic_xchg(mix_sem_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -354,6 +376,30 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
 
 
 @dataclass(frozen=True)
+class MixEpilogue:
+    """The AttnRes step a GEMM's output is a row of (the fuse pass's epilogue): ``rows``,
+    its ``sources`` sources and then its deltas, with the GEMM's output among them (the
+    caller puts it there); ``query``, ``mix_norm`` and the norm ``weight`` [N]; the
+    ``normed`` rows and the ``prefix`` sum (None without deltas) it writes."""
+
+    rows: tuple[torch.Tensor, ...]
+    sources: int
+    query: torch.Tensor
+    mix_norm: torch.Tensor
+    weight: torch.Tensor
+    normed: torch.Tensor
+    prefix: torch.Tensor | None
+    eps: float
+    norm_eps: float
+
+    def launch(self, pdl: bool) -> AttnResNorm:
+        """The step as a launch of its own (after the GEMM's)."""
+        return AttnResNorm(self.rows[:self.sources], self.rows[self.sources:], self.query,
+                           self.mix_norm, self.weight, self.normed, self.prefix, self.eps,
+                           self.norm_eps, pdl=pdl)
+
+
+@dataclass(frozen=True)
 class InputNorm:
     """An RMSNorm of a GEMM's rows before the product (the fuse pass's input norm): its
     ``weight`` [K], ``eps`` and the ``dtype`` the unfused norm stored its output in."""
@@ -367,11 +413,12 @@ class SplitKGemm:
     """A prepared ``out = x @ w.T`` (all three bound once); calling it enqueues the launch
     (one kernel, two with split > 1) on the current stream. Capturable. With ``norm``, of
     ``rmsnorm(x)``: inside the GEMV form with one split, else an RMSNorm launch into a
-    scratch buffer first."""
+    scratch buffer first. With ``mix``, then the AttnRes step ``out`` is a row of: inside
+    the GEMV form with one split (its last program of each row), else a launch after."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                 tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None
-                 ) -> None:
+                 tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None,
+                 mix: MixEpilogue | None = None) -> None:
         _check(x, w, out)
         rows, k = x.shape
         n = w.shape[0]
@@ -397,6 +444,13 @@ class SplitKGemm:
         if self.fused:
             tiles = self.plan.grid[0] * self.plan.grid[2]
             self.sem = scratch(out.device, "splitk_sem", tiles, torch.int32, zeroed=True)
+        self.mix, self.mix_launch = mix, None
+        if mix is not None and not (self.plan.gemv and self.plan.split == 1):
+            self.mix, self.mix_launch = None, mix.launch(pdl)
+        if self.mix is not None:
+            self.mix_step = mix.launch(pdl)  # its checks, block sizes and probs scratch
+            self.mix_sem = scratch(out.device, "splitk_mix_sem", rows, torch.int32,
+                                   zeroed=True)
 
     def __call__(self) -> None:
         """Enqueue the launch(es)."""
@@ -413,8 +467,9 @@ class SplitKGemm:
         if p.gemv:
             norm = self.norm
             _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
-                                 BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
-                                 NORM=norm is not None, num_stages=1, **common)
+                                 *self._mix_args(), BLOCK_W=p.block_w, CHUNK_K=p.block_k,
+                                 DEPTH=p.stages, NORM=norm is not None, num_stages=1,
+                                 **self._mix_shape(), **common)
         else:
             _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,
                                    BLOCK_K=p.block_k, PRE=p.pre,
@@ -426,6 +481,27 @@ class SplitKGemm:
                 self.ws, out, self.rows, self.n, out.stride(0), out.stride(1),
                 SPLIT=p.split, BLOCK=REDUCE_BLOCK, USE_PDL=self.pdl, num_warps=4,
                 launch_pdl=self.pdl)
+        if self.mix_launch is not None:
+            self.mix_launch()
+
+    def _mix_args(self) -> tuple[Any, ...]:
+        """The GEMV's epilogue arguments (stand-ins the kernel never reads without one)."""
+        step = self.mix_step if self.mix is not None else None
+        if step is None:
+            out = self.out
+            return ((out,), (0,), (out,), (0,), out, out, out, out, out, out, out, 0, 0,
+                    0.0, 0.0)
+        return (step.sources, step.strides, step.deltas, step.delta_strides, step.query,
+                step.mix_norm, step.weight, step.out, step.prefix, step.probs, self.mix_sem,
+                step.out.stride(0), step.prefix.stride(0), step.eps, step.norm_eps)
+
+    def _mix_shape(self) -> dict[str, Any]:
+        """The GEMV's epilogue constants."""
+        step = self.mix_step if self.mix is not None else None
+        if step is None:
+            return dict(MIX=False, MIX_SRC=1, MIX_DELTA=0, MIX_PAD=2, MIX_CHUNK=16)
+        return dict(MIX=True, MIX_SRC=len(step.sources), MIX_DELTA=step.n_delta,
+                    MIX_PAD=step.s_pad, MIX_CHUNK=step.chunk)
 
 
 def splitk_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,

@@ -228,19 +228,31 @@ def input_norm_launch(ctx: PrepareContext, x: torch.Tensor, weight: torch.Tensor
 
 def _cublas_projection(ctx: PrepareContext) -> Launch:
     check_one_rank(ctx.node)
-    if "mix_sources" in ctx.node.attrs:
-        raise NotImplementedError(f"node {ctx.node.name}: an AttnRes epilogue (the torch "
-                                  "provider runs it)")
     x, w = ctx.inputs()[:2]
-    (out,) = ctx.outputs()
+    out = ctx.outputs()[0]
+    step = None
+    if "mix_sources" in ctx.node.attrs:  # the fuse pass's AttnRes epilogue
+        try:  # its Triton launch after the product
+            from stepgraph.runtime.providers.triton_dense import mix_epilogue
+        except ImportError:
+            mix_epilogue = None  # type: ignore[assignment]
+        if ctx.device.type != "cuda" or mix_epilogue is None:
+            return reference_launch(ctx, ref_dense.projection)
+        step = mix_epilogue(ctx).launch(ctx.pdl)  # type: ignore[union-attr]
     if "input_norm_eps" not in ctx.node.attrs:
-        return matmul_launch(x, w, out, lambda: linear(x, w, out.dtype))
-    normed, norm_launch = input_norm_launch(ctx, x, ctx.inputs()[2])
+        normed, norm_launch = x, None
+    else:
+        normed, norm_launch = input_norm_launch(ctx, x, ctx.inputs()[2])
     product = matmul_launch(normed, w, out, lambda: linear(normed, w, out.dtype))
+    if norm_launch is None and step is None:
+        return product
 
     def launch() -> None:
-        norm_launch()
+        if norm_launch is not None:
+            norm_launch()
         product()
+        if step is not None:
+            step()
 
     return launch
 

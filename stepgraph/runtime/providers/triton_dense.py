@@ -1,7 +1,7 @@
 """Triton providers of the dense ops: ``splitk`` for projection / o_proj (the split-K skinny
-GEMM with the bin's tactic) and for the gated MLPs (shared_expert, dense_mlp: two split-K
-GEMMs around the gated activation, all with PDL), ``triton`` for rmsnorm, add,
-attn_res_mix, attn_res_norm and router.
+GEMM with the bin's tactic, with the fuse pass's input norm and AttnRes epilogue) and for
+the gated MLPs (shared_expert, dense_mlp: two split-K GEMMs around the gated activation,
+all with PDL), ``triton`` for rmsnorm, add, attn_res_mix, attn_res_norm and router.
 
 Each factory binds the node's tensors once and returns the prepared launch (a callable that
 enqueues the kernels, capturable); all kernels take PDL when ``ctx.pdl`` allows it. A
@@ -14,28 +14,48 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from stepgraph.ir.ops import mix_epilogue_inputs
 from stepgraph.runtime.kernels.activation import gated_activation
 from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, AttnResNorm, RmsNorm
 from stepgraph.runtime.kernels.launch_utils import scratch
 from stepgraph.runtime.kernels.moe import Router
-from stepgraph.runtime.kernels.splitk_gemm import InputNorm, SplitKGemm, SplitKTactic
+from stepgraph.runtime.kernels.splitk_gemm import (
+    InputNorm,
+    MixEpilogue,
+    SplitKGemm,
+    SplitKTactic,
+)
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
 from stepgraph.runtime.providers.torch_ops import input_norm_dtype
 
 
+def mix_epilogue(ctx: PrepareContext) -> MixEpilogue | None:
+    """The AttnRes epilogue of a projection node (the fuse pass's), over its bound tensors
+    with the product put among the step's rows; None without one."""
+    attrs = ctx.node.attrs
+    if "mix_sources" not in attrs:
+        return None
+    ins, outs = ctx.inputs()[mix_epilogue_inputs(ctx.node):], ctx.outputs()
+    count, deltas = int(attrs["mix_sources"]), int(attrs["mix_deltas"])
+    rows = list(ins[:count + deltas - 1])
+    rows.insert(int(attrs["mix_at"]), outs[0])
+    query, mix_norm, weight = ins[count + deltas - 1:]
+    return MixEpilogue(tuple(rows), count, query, mix_norm, weight, outs[1],
+                       outs[2] if deltas else None, float(attrs["mix_eps"]),
+                       float(attrs["mix_norm_eps"]))
+
+
 def _projection(ctx: PrepareContext) -> Launch:
     """``out = x @ W.T`` by the split-K skinny GEMM with the bin's tactic (of the rows'
-    RMSNorm when the fuse pass gave the node an input norm)."""
-    if "mix_sources" in ctx.node.attrs:
-        raise NotImplementedError(f"node {ctx.node.name}: an AttnRes epilogue (the torch "
-                                  "provider runs it)")
+    RMSNorm when the fuse pass gave the node an input norm; then its AttnRes step when it
+    gave it that epilogue)."""
     x, weight = ctx.inputs()[:2]
-    (out,) = ctx.outputs()
+    out = ctx.outputs()[0]
     tactic = SplitKTactic.from_mapping(ctx.tactic, x.shape[0])
     attrs = ctx.node.attrs
     norm = (InputNorm(ctx.inputs()[2], float(attrs["input_norm_eps"]),
                       input_norm_dtype(attrs, weight)) if "input_norm_eps" in attrs else None)
-    return SplitKGemm(x, weight, out, tactic, pdl=ctx.pdl, norm=norm)
+    return SplitKGemm(x, weight, out, tactic, pdl=ctx.pdl, norm=norm, mix=mix_epilogue(ctx))
 
 
 register("projection", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)

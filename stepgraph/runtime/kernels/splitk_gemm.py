@@ -380,7 +380,9 @@ class MixEpilogue:
     """The AttnRes step a GEMM's output is a row of (the fuse pass's epilogue): ``rows``,
     its ``sources`` sources and then its deltas, with the GEMM's output among them (the
     caller puts it there); ``query``, ``mix_norm`` and the norm ``weight`` [N]; the
-    ``normed`` rows and the ``prefix`` sum (None without deltas) it writes."""
+    ``normed`` rows and the ``prefix`` sum (None without deltas) it writes;
+    ``pre_sources``: a launch of its own may read the sources before its PDL wait (none is
+    the GEMM's output)."""
 
     rows: tuple[torch.Tensor, ...]
     sources: int
@@ -391,12 +393,13 @@ class MixEpilogue:
     prefix: torch.Tensor | None
     eps: float
     norm_eps: float
+    pre_sources: bool = False
 
     def launch(self, pdl: bool) -> AttnResNorm:
         """The step as a launch of its own (after the GEMM's)."""
         return AttnResNorm(self.rows[:self.sources], self.rows[self.sources:], self.query,
                            self.mix_norm, self.weight, self.normed, self.prefix, self.eps,
-                           self.norm_eps, pdl=pdl)
+                           self.norm_eps, pdl=pdl, pre_sources=self.pre_sources)
 
 
 @dataclass(frozen=True)

@@ -31,18 +31,23 @@ from stepgraph.runtime.providers.torch_ops import input_norm_dtype
 
 def mix_epilogue(ctx: PrepareContext) -> MixEpilogue | None:
     """The AttnRes epilogue of a projection node (the fuse pass's), over its bound tensors
-    with the product put among the step's rows; None without one."""
+    with the product put among the step's rows; None without one. As a launch of its own
+    the step loads its sources before its PDL wait when the pdl pass marks them readable
+    before the projection's (the product not among them), as ``attn_res_norm`` does."""
     attrs = ctx.node.attrs
     if "mix_sources" not in attrs:
         return None
-    ins, outs = ctx.inputs()[mix_epilogue_inputs(ctx.node):], ctx.outputs()
-    count, deltas = int(attrs["mix_sources"]), int(attrs["mix_deltas"])
+    first = mix_epilogue_inputs(ctx.node)
+    ins, outs = ctx.inputs()[first:], ctx.outputs()
+    count, deltas, at = int(attrs["mix_sources"]), int(attrs["mix_deltas"]), int(attrs["mix_at"])
     rows = list(ins[:count + deltas - 1])
-    rows.insert(int(attrs["mix_at"]), outs[0])
+    rows.insert(at, outs[0])
     query, mix_norm, weight = ins[count + deltas - 1:]
+    sources = ctx.node.inputs[first:first + count - (at < count)]
+    early = at >= count and all(name in ctx.pre_wait for name in sources)
     return MixEpilogue(tuple(rows), count, query, mix_norm, weight, outs[1],
                        outs[2] if deltas else None, float(attrs["mix_eps"]),
-                       float(attrs["mix_norm_eps"]))
+                       float(attrs["mix_norm_eps"]), pre_sources=early)
 
 
 def _projection(ctx: PrepareContext) -> Launch:

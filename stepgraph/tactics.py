@@ -83,10 +83,12 @@ class StreamRule(_Strict):
 
 class FuseRule(_Strict):
     """Which optional rewrites the fuse pass makes on this target: ``mix_epilogue``, the
-    AttnRes step (``attn_res_norm``) after a projection becomes that projection's epilogue
-    (see :mod:`stepgraph.passes.fuse`)."""
+    AttnRes step (``attn_res_norm``) after a projection becomes that projection's epilogue;
+    ``router_epilogue``, the router of a projection's logits columns (see
+    :mod:`stepgraph.passes.fuse`)."""
 
     mix_epilogue: bool = False
+    router_epilogue: bool = False
     source: str = "no optional fusion"
 
 

@@ -192,16 +192,17 @@ def test_fused_plan_computes_the_unfused_plan() -> None:
 # ------------------------------------------------------------------ AttnRes epilogues
 
 
-def _epilogue_tables(tmp_path, on: bool = True):
-    """The h200 tables with ``fuse.mix_epilogue`` set (a copy in ``tmp_path``)."""
+def _epilogue_tables(tmp_path, on: bool = True, routers: bool = False):
+    """The h200 tables with ``fuse.mix_epilogue`` (and ``router_epilogue``) set (a copy
+    in ``tmp_path``)."""
     import yaml
 
     from stepgraph.tactics import table_path
 
     data = yaml.safe_load(table_path("h200").read_text())
-    data["fuse"] = {"mix_epilogue": on, "source": "a test"}
-    data["version"] = f"test-epilogue-{on}"
-    path = tmp_path / f"epilogue-{on}.yaml"
+    data["fuse"] = {"mix_epilogue": on, "router_epilogue": routers, "source": "a test"}
+    data["version"] = f"test-epilogue-{on}-{routers}"
+    path = tmp_path / f"epilogue-{on}-{routers}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
 
@@ -250,9 +251,31 @@ def test_epilogues_off_by_default_and_when_the_table_says_so(tmp_path) -> None:
         assert not any("mix_sources" in n.attrs for n in graph)
 
 
-def test_epilogue_plan_computes_the_plain_plan(tmp_path) -> None:
+def test_every_router_becomes_the_epilogue_of_its_front(tmp_path) -> None:
+    """k3-rank-tp8 with the router epilogues on (and the AttnRes ones): no router node is
+    left; each MoE front writes [front, ids, weights] with the router's attrs and the logits
+    columns; the logits view is gone; the routed experts read the same ids."""
+    plain = _compiled("k3_rank_tp8")
+    fused = _compiled_with("k3_rank_tp8", _epilogue_tables(tmp_path, True, routers=True))
+    verify(fused)
+    assert Counter(n.op for n in fused)["router"] == 0
+    routers = [n for n in plain if n.op == "router"]
+    assert len(routers) == 12 and len(plain) - len(fused) == 12 + 24
+    front = fused.node("l1.front")
+    assert front.outputs == ("l1.front", "l1.topk_ids", "l1.topk_weights")
+    assert front.attrs["router"]["columns"] == [0, 112]
+    assert front.attrs["router"]["top_k"] == plain.node("l1.router").attrs["top_k"]
+    assert front.inputs[-1] == "layers.1.mlp.gate.e_score_correction_bias"
+    assert "l1.router_logits" not in fused.values and "l1.latent" in fused.values
+    experts = fused.node("l1.routed_experts")
+    assert experts.inputs[1:3] == ("l1.topk_ids", "l1.topk_weights")
+
+
+@pytest.mark.parametrize("routers", [False, True])
+def test_epilogue_plan_computes_the_plain_plan(tmp_path, routers: bool) -> None:
     """The reference executor in float32 on random weights: the plan with the epilogues
-    gives the logits of the plan without them (the same ops in the same order)."""
+    (AttnRes steps, and routers) gives the logits of the plan without them (the same ops in
+    the same order)."""
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)
     from stepgraph.lower.decode import DecodeRunner, run_prompts
@@ -260,8 +283,9 @@ def test_epilogue_plan_computes_the_plain_plan(tmp_path) -> None:
 
     logits = []
     for on in (True, False):
-        graph = _compiled_with("tiny_k3", _epilogue_tables(tmp_path, on))
+        graph = _compiled_with("tiny_k3", _epilogue_tables(tmp_path, on, routers and on))
         assert any("mix_sources" in n.attrs for n in graph) == on
+        assert any("router" in n.attrs for n in graph) == (routers and on)
         weights = random_weights(graph, 3, dtype=torch.float32)
         runner = DecodeRunner(graph, weights, 4, 12)
         logits.append(run_prompts(runner, PROMPTS))

@@ -210,7 +210,8 @@ def _meta(*shape: int, dtype: Any = torch.bfloat16) -> Any:
 
 def sm90_moe() -> None:
     """K3 per-rank expert and router launches compile well for sm_90."""
-    from stepgraph.runtime.kernels.moe import MoeTactic, RoutedExperts, Router
+    from stepgraph.runtime.kernels.moe import MoeTactic, RoutedExperts
+    from stepgraph.runtime.kernels.routing import Router
     from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT
 
     width, inter, k = 3584, 3072, 16

@@ -31,6 +31,7 @@ import torch
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.lower.ref_common import OpCall, OpFn
+from stepgraph.lower.ref_dense import route_weights
 from stepgraph.lower.reference import ReferenceExecutor
 from stepgraph.lower.tensors import storage_dtype
 
@@ -213,6 +214,15 @@ def touched_experts(graph: Graph, values: Mapping[str, torch.Tensor], rows: int
     return touched
 
 
+def router_ids(graph: Graph) -> dict[str, str]:
+    """Each routing node's name -> the temp holding its expert ids: a router's first output,
+    a projection's second with the fuse pass's router epilogue."""
+    ids = {node.name: node.outputs[0] for node in graph if node.op == "router"}
+    ids.update({node.name: node.outputs[1] for node in graph
+                if node.op == "projection" and "router" in node.attrs})
+    return ids
+
+
 def fp32_reference(graph: Graph, weights: Mapping[str, torch.Tensor],
                    caches: Mapping[str, torch.Tensor], device: torch.device
                    ) -> ReferenceExecutor:
@@ -222,16 +232,20 @@ def fp32_reference(graph: Graph, weights: Mapping[str, torch.Tensor],
                              keep_dtype_above=UPCAST_LIMIT)
 
 
-def _router_weights(call: OpCall, ids: torch.Tensor) -> torch.Tensor:
-    """The routing weights of ``ids`` as the reference router computes them: the unbiased
-    scores at the chosen experts, renormalised and scaled (see ``ref_dense.router``)."""
-    attrs = call.attrs
-    logits = call.ins[0].float()
-    scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
-    weights = scores.gather(1, ids.long())
-    if attrs.get("renormalize"):
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * float(attrs.get("scaling_factor", 1.0))
+def _routing_of(call: OpCall, own: list[torch.Tensor]) -> tuple[int, torch.Tensor, dict] | None:
+    """Where a node's routing is among its outputs ``own``: (the ids' index, the logits, the
+    router's attrs) of a router or of a projection with the fuse pass's router epilogue;
+    None for a node that routes nothing."""
+    if call.node.op == "router":
+        return 0, call.ins[0], call.attrs
+    route = call.attrs.get("router")
+    if call.node.op != "projection" or route is None:
+        return None
+    start, stop = route["columns"]
+    return 1, own[0][:, start:stop], route
+
+
+ROUTING_OPS = ("router", "projection")  # ops whose nodes may route (see _routing_of)
 
 
 class Routing:
@@ -254,32 +268,39 @@ class Routing:
         def router(call: OpCall) -> list[torch.Tensor]:
             own = original(call)
             forced = self.ids.get(call.node.name)
-            if forced is None:
+            where = _routing_of(call, own) if forced is not None else None
+            if where is None:
                 return own
-            forced = forced.to(own[0].device)
+            at, logits, attrs = where
+            forced = forced.to(own[at].device)
             rows = forced.shape[0]
-            mine = own[0][:rows].long().sort(-1).values
+            mine = own[at][:rows].long().sort(-1).values
             theirs = forced.long().sort(-1).values
             name = call.node.name
             flips = int((mine != theirs).any(-1).sum())
             self.flips_by_node[name] = self.flips_by_node.get(name, 0) + flips
             self.decisions += rows
-            ids = own[0].clone()
+            ids = own[at].clone()
             ids[:rows] = forced.to(ids.dtype)
-            return [ids, _router_weights(call, ids).to(call.out_dtypes[1])]
+            out = list(own)
+            out[at] = ids
+            out[at + 1] = route_weights(logits, ids, attrs).to(call.out_dtypes[at + 1])
+            return out
 
         return router
 
     @contextmanager
     def forced(self, executor: ReferenceExecutor) -> Iterator[None]:
-        """Within the block, ``executor``'s router returns these ids (for the rows given)
-        with the weights the reference computes for them."""
-        original = executor.ops["router"]
-        executor.ops["router"] = self._router(original)
+        """Within the block, ``executor``'s routers (router nodes and projections with a
+        router epilogue) return these ids (for the rows given) with the weights the
+        reference computes for them."""
+        originals = {op: executor.ops[op] for op in ROUTING_OPS}
+        for op, original in originals.items():
+            executor.ops[op] = self._router(original)
         try:
             yield
         finally:
-            executor.ops["router"] = original
+            executor.ops.update(originals)
 
 
 def compiled_step(executor: ReferenceExecutor) -> Callable[[Mapping[str, torch.Tensor]],

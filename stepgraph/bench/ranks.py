@@ -37,6 +37,7 @@ from stepgraph.bench.protocol import (
     build_feeds,
     copy_bandwidth,
     fill_caches,
+    router_ids,
     time_calls,
     touched_experts,
 )
@@ -46,12 +47,7 @@ from stepgraph.runtime.inputs import StepInputs
 from stepgraph.runtime.loader import load
 from stepgraph.runtime.providers import REGISTRY, load_providers
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, ProviderEntry, Registry
-from stepgraph.runtime.rank_check import (
-    RankCheckOptions,
-    compare_with_reference,
-    rank_device,
-    router_ids,
-)
+from stepgraph.runtime.rank_check import RankCheckOptions, compare_with_reference, rank_device
 from stepgraph.runtime.step import CompiledStep
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "dcp_gather", "lse_merge",

@@ -52,6 +52,7 @@ from stepgraph.bench.protocol import (
     fp32_reference,
     next_feed,
     relative_error,
+    router_ids,
     synchronize,
     time_calls,
     touched_experts,
@@ -442,7 +443,7 @@ class Session:
         inputs = StepInputs.from_feed(feed)
         rows = inputs.rows
         size = compiled.bin_for(rows)
-        routers = {n.name: n.outputs[0] for n in graph if n.op == "router"}
+        routers = router_ids(graph)
         before = clone_caches(compiled.caches)
         compiled.poison_arena()
         output = compiled.bindings.outputs[compiled.output_name]

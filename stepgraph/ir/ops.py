@@ -45,8 +45,8 @@ def _shape(t: TensorType) -> str:
 
 
 def mix_epilogue_inputs(node: Node) -> int:
-    """Where the AttnRes epilogue's inputs start among a projection's inputs (after x, the
-    weight and the input norm's weight, when it has one)."""
+    """Where an epilogue's inputs (the AttnRes step's or the router's) start among a
+    projection's inputs: after x, the weight and the input norm's weight, when it has one."""
     return 3 if "input_norm_eps" in node.attrs else 2
 
 
@@ -72,10 +72,34 @@ def _mix_epilogue(node: Node, ins: list[TensorType], outs: list[TensorType]) -> 
               [*rows, *ins[first + count + deltas - 1:]], outs[1:])
 
 
+def _router_epilogue(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
+    """The fuse pass's router epilogue of a projection: ``router`` (the router's attrs with
+    ``columns`` [start, stop] of the product holding its logits) reads those columns and its
+    correction bias (the last input, when it has one), and writes ids and weights."""
+    route = node.attrs["router"]
+    start, stop = route["columns"]
+    first = mix_epilogue_inputs(node)
+    bias = 1 if route.get("correction_bias") else 0
+    if len(ins) != first + bias or len(outs) != 3:
+        raise TypeRuleError(f"{len(ins)} inputs and {len(outs)} outputs: the projection's "
+                            f"{first} (+ the router's bias) and [product, ids, weights]")
+    if not 0 <= start < stop <= outs[0].shape[-1] or stop - start != route["experts"]:
+        raise TypeRuleError(f"router columns {start}:{stop} of a product of "
+                            f"{outs[0].shape[-1]} for {route['experts']} experts")
+    logits = TensorType((outs[0].shape[0], stop - start), outs[0].dtype)
+    _router(Node(node.name, "router", node.inputs[:1], node.outputs[1:], route),
+            [logits, *ins[first:]], outs[1:])
+
+
 def _matmul(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, w = ins[0], ins[1]
+    if "mix_sources" in node.attrs and "router" in node.attrs:
+        raise TypeRuleError("an AttnRes and a router epilogue on one projection")
     if "mix_sources" in node.attrs:
         _mix_epilogue(node, ins, outs)
+    if "router" in node.attrs:
+        _router_epilogue(node, ins, outs)
+    if "mix_sources" in node.attrs or "router" in node.attrs:
         outs = outs[:1]
         ins = ins[:mix_epilogue_inputs(node)]
     if len(outs) != 1:

@@ -86,13 +86,20 @@ def projection(call: OpCall) -> list[torch.Tensor]:
     """``x @ W.T`` (also o_proj and lm_head); with the fuse pass's input norm, of
     ``rmsnorm(x)`` rounded to ``input_norm_dtype`` (where the unfused norm stored it); with
     its AttnRes epilogue, then ``attn_res_norm`` with the product (as stored) as its row
-    ``mix_at`` (sources, then deltas): [product, normed, prefix sum if deltas]."""
+    ``mix_at`` (sources, then deltas): [product, normed, prefix sum if deltas]; with its
+    router epilogue, the router of the product's logits columns: [product, ids, weights]."""
     x, weight = call.ins[:2]
     a = call.attrs
     if "input_norm_eps" in a:
         dtype = storage_dtype(a["input_norm_dtype"], call.compute)
         x = rms_norm(x, call.ins[2], a["input_norm_eps"]).to(dtype)
     product = linear(x, weight, call.out_dtypes[0])
+    if "router" in a:
+        start, stop = a["router"]["columns"]
+        bias = call.ins[mix_epilogue_inputs(call.node)] if a["router"].get(
+            "correction_bias") else None
+        return [product, *route(product[:, start:stop], bias, a["router"],
+                                call.out_dtypes[2])]
     if "mix_sources" not in a:
         return [product]
     ins = list(call.ins[mix_epilogue_inputs(call.node):])
@@ -103,21 +110,34 @@ def projection(call: OpCall) -> list[torch.Tensor]:
                                 a["mix_norm_eps"], list(call.out_dtypes[1:]))]
 
 
-def router(call: OpCall) -> list[torch.Tensor]:
-    """Top-k routing: sigmoid or softmax scores; the correction bias enters the selection
-    only; the selected (unbiased) scores are renormalised and scaled."""
-    attrs = call.attrs
-    logits = call.ins[0].float()
+def route(logits: torch.Tensor, bias: torch.Tensor | None, attrs: dict,
+          weights_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Top-k routing of ``logits`` (a router's ``attrs``): [ids int32, weights]."""
+    logits = logits.float()
     scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
     choice = scores
     if attrs.get("correction_bias"):
-        choice = scores + call.ins[1].float()
+        choice = scores + bias.float()  # type: ignore[union-attr]
     ids = torch.topk(choice, k=attrs["top_k"], dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
+    return [ids.to(torch.int32), route_weights(logits, ids, attrs).to(weights_dtype)]
+
+
+def route_weights(logits: torch.Tensor, ids: torch.Tensor, attrs: dict) -> torch.Tensor:
+    """The routing weights of ``ids``: the unbiased scores at the chosen experts,
+    renormalised and scaled (float32)."""
+    logits = logits.float()
+    scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
+    weights = scores.gather(1, ids.long())
     if attrs.get("renormalize"):
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    weights = weights * float(attrs.get("scaling_factor", 1.0))
-    return [ids.to(torch.int32), weights.to(call.out_dtypes[1])]
+    return weights * float(attrs.get("scaling_factor", 1.0))
+
+
+def router(call: OpCall) -> list[torch.Tensor]:
+    """Top-k routing: sigmoid or softmax scores; the correction bias enters the selection
+    only; the selected (unbiased) scores are renormalised and scaled."""
+    bias = call.ins[1] if call.attrs.get("correction_bias") else None
+    return route(call.ins[0], bias, call.attrs, call.out_dtypes[1])
 
 
 def routed_experts(call: OpCall) -> list[torch.Tensor]:

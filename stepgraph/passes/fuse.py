@@ -45,6 +45,13 @@ the step (one launch less a sublayer); other forms launch it after the product. 
 reference computes the product, then the step, so it equals the two nodes'. A product that
 is not a replicated projection's only output, or viewed, is left alone.
 
+Fourth rewrite, where the tables ask for it (``fuse.router_epilogue``): a ``router`` whose
+logits are a plain column view of a projection's only output (the MoE front's
+``router_logits``), read by nothing else, becomes that projection's epilogue: the node
+writes [product, ids, weights], with attr ``router`` (the router's attrs and the view's
+``columns``) and the router's bias after the projection's inputs; the view goes. At one
+row the GEMV's last program of a row routes it; other forms launch the router after.
+
 ``enabled`` off (the ablation) returns the graph unchanged.
 """
 
@@ -236,6 +243,31 @@ class _Finder:
         return writer.name if all(p < there for p in written) else None
 
 
+    def router_epilogue(self, router: Node) -> _Fusion | None:
+        """``router`` as the epilogue of the projection whose output its logits view, or
+        None."""
+        g = self.g
+        logits = router.inputs[0]
+        view = g.values[logits].view
+        if (view is None or view.groups != 1 or self.users.get(logits) != [router.name]
+                or logits in self.viewed or view.base not in self.producers):
+            return None
+        writer = g.node(self.producers[view.base])
+        if (writer.op not in MIX_PRODUCERS or writer.outputs != (view.base,)
+                or "mix_sources" in writer.attrs or "router" in writer.attrs
+                or writer.name in self.taken or writer.placement != router.placement):
+            return None
+        fused = Node(
+            name=writer.name, op=writer.op, inputs=(*writer.inputs, *router.inputs[1:]),
+            outputs=(view.base, *router.outputs),
+            attrs={**writer.attrs, "router": {**router.attrs,
+                                              "columns": [view.start, view.stop]}},
+            placement=writer.placement, layer=writer.layer, unit=writer.unit,
+        )
+        self.taken.update((writer.name, router.name))
+        return _Fusion(fused, (writer.name, router.name), (logits,))
+
+
 def _apply(graph: Graph, fusions: list[_Fusion]) -> Graph:
     """A copy of ``graph`` with each fusion's node in place of its first dropped node and
     the rest of its dropped nodes and values removed."""
@@ -267,18 +299,27 @@ class Fuse:
         norms = [f for node in graph if node.op == "rmsnorm"
                  if (f := finder.norm_fusion(node)) is not None]
         g = _apply(graph, [*fusions, *norms])
+        rule = tables_for(g, ctx).fuse
         epilogues: list[_Fusion] = []
-        if tables_for(g, ctx).fuse.mix_epilogue:
+        if rule.mix_epilogue:
             finder = _Finder(g)
             epilogues = [f for node in g if node.op == "attn_res_norm"
                          if (f := finder.mix_epilogue(node)) is not None]
             g = _apply(g, epilogues)
-        if not fusions and not norms and not epilogues:
+        routers: list[_Fusion] = []
+        if rule.router_epilogue:
+            finder = _Finder(g)
+            routers = [f for node in g if node.op == "router"
+                       if (f := finder.router_epilogue(node)) is not None]
+            g = _apply(g, routers)
+        if not fusions and not norms and not epilogues and not routers:
             return PassResult(g, False, "no AttnRes mix or projection norm to fuse")
         adds = sum(len(f.dropped_nodes) - 2 for f in fusions)
         mixes = sum(1 for n in graph if n.op == "attn_res_mix")
         summary = (f"fused {len(fusions)} of {mixes} AttnRes mixes with their norms and "
                    f"{adds} adds, {len(norms)} norms into their projections"
                    + (f", {len(epilogues)} AttnRes steps into the projections before them"
-                      if epilogues else "") + f": {len(graph)} -> {len(g)} nodes")
+                      if epilogues else "")
+                   + (f", {len(routers)} routers into their logits' projections"
+                      if routers else "") + f": {len(graph)} -> {len(g)} nodes")
         return PassResult(g, True, summary)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from stepgraph.artifact import load_artifact
-from stepgraph.bench.protocol import Routing, fp32_reference, relative_error
+from stepgraph.bench.protocol import Routing, fp32_reference, relative_error, router_ids
 from stepgraph.bench.table import CHECK_LIMIT, NOISE_FACTOR, within_bf16_criterion
 from stepgraph.bench.weights import device_random_weights
 from stepgraph.errors import UserError
@@ -117,11 +117,6 @@ def _reference_runner(graph: Graph, weights: dict[str, torch.Tensor], requests: 
     if dtype == "float32":  # float32 compute over the (possibly BF16) weights, no copies
         runner.executor = fp32_reference(graph, weights, runner.caches, device)
     return runner
-
-
-def router_ids(graph: Graph) -> dict[str, str]:
-    """Each router node's name -> the temp holding its expert ids."""
-    return {node.name: node.outputs[0] for node in graph if node.op == "router"}
 
 
 def rank_device(name: str) -> torch.device:

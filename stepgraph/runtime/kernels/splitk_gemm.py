@@ -34,6 +34,7 @@ from stepgraph.runtime.kernels.launch_utils import (
     scratch,
     tile_width,
 )
+from stepgraph.runtime.kernels.routing import Router, top_k_store
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use (H100/H200: 227 KB)
 REDUCE_BLOCK = 1024
@@ -178,14 +179,19 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                  R, N, K, chunks_per_split,
                  stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
                  g_ptr, eps,
+                 row_sem_ptr,
                  mix_srcs, mix_strides, mix_deltas, mix_delta_strides, mix_q_ptr, mix_n_ptr,
-                 mix_w_ptr, mix_out_ptr, mix_prefix_ptr, mix_probs_ptr, mix_sem_ptr,
+                 mix_w_ptr, mix_out_ptr, mix_prefix_ptr, mix_probs_ptr,
                  mix_stride_or, mix_stride_pr, mix_eps, mix_norm_eps,
+                 rt_bias_ptr, rt_ids_ptr, rt_wts_ptr, rt_start, rt_experts, rt_top_k,
+                 rt_stride_ir, rt_stride_ij, rt_stride_wr, rt_stride_wj, rt_scaling,
                  BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, DEPTH: tl.constexpr,
                  SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr,
                  USE_PDL: tl.constexpr, NORM: tl.constexpr, MIX: tl.constexpr,
                  MIX_SRC: tl.constexpr, MIX_DELTA: tl.constexpr, MIX_PAD: tl.constexpr,
-                 MIX_CHUNK: tl.constexpr):
+                 MIX_CHUNK: tl.constexpr, ROUTE: tl.constexpr, RT_E_PAD: tl.constexpr,
+                 RT_K_PAD: tl.constexpr, RT_SOFTMAX: tl.constexpr, RT_BIAS: tl.constexpr,
+                 RT_RENORM: tl.constexpr):
     """Partial (or whole) ``x[row] @ w.T`` of one weight tile and K split, for one batch row,
     without the MMA: products accumulate in float32 registers, reduced once at the end.
 
@@ -198,11 +204,12 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     weight ``g`` on the way: each chunk of x is scaled by g's chunk and its squares summed,
     and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end.
 
-    ``MIX`` (one split): the AttnRes step whose row the output is (the fuse pass's
-    epilogue, ``mix_*``: sources and deltas with this output among them) runs in the last
-    program of each row to store its tile (a counter per row in ``mix_sem_ptr``, left at
-    zero again), in column sweeps (:func:`mix_norm_sweeps`, one stage: no shared-memory
-    staging)."""
+    Epilogues of the fuse pass (one split; they run in the last program of each row to
+    store its tile: a counter per row in ``row_sem_ptr``, left at zero again): ``MIX``, the
+    AttnRes step whose row the output is (``mix_*``: sources and deltas with this output
+    among them), in column sweeps (:func:`mix_norm_sweeps`, one stage: no shared-memory
+    staging); ``ROUTE``, the router of the output's columns ``rt_start`` ..
+    ``rt_start + rt_experts`` (float32 logits; ``rt_*``), into ids and weights."""
     pid_w = tl.program_id(0)
     pid_s = tl.program_id(1)
     row = tl.program_id(2)
@@ -256,17 +263,30 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     _store_tile(part, offs_w, offs_r, w_rows, offs_r < R, pid_s,
                 row * tl.num_programs(0) + pid_w, out_ptr, ws_ptr, sem_ptr, R, N,
                 stride_or, stride_on, SPLIT, FUSED, FENCE)
-    if MIX:
+    if MIX or ROUTE:
         if FENCE:
             gpu_fence(offs_w)
         tl.debug_barrier()
-        done = tl.atomic_add(mix_sem_ptr + row, 1, sem="acq_rel", scope="gpu")
+        done = tl.atomic_add(row_sem_ptr + row, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:  # every tile of this row is stored
-            mix_norm_sweeps(row, mix_srcs, mix_strides, mix_deltas, mix_delta_strides,
-                            mix_q_ptr, mix_n_ptr, mix_w_ptr, mix_out_ptr, mix_prefix_ptr,
-                            mix_probs_ptr, N, mix_stride_or, mix_stride_pr, mix_eps,
-                            mix_norm_eps, MIX_SRC, MIX_DELTA, MIX_PAD, MIX_CHUNK, 1, True)
-            tl.atomic_xchg(mix_sem_ptr + row, 0, sem="relaxed", scope="gpu")
+            if MIX:
+                mix_norm_sweeps(row, mix_srcs, mix_strides, mix_deltas, mix_delta_strides,
+                                mix_q_ptr, mix_n_ptr, mix_w_ptr, mix_out_ptr, mix_prefix_ptr,
+                                mix_probs_ptr, N, mix_stride_or, mix_stride_pr, mix_eps,
+                                mix_norm_eps, MIX_SRC, MIX_DELTA, MIX_PAD, MIX_CHUNK, 1, True)
+            if ROUTE:
+                e = tl.arange(0, RT_E_PAD)
+                valid = e < rt_experts
+                bias = tl.zeros([RT_E_PAD], dtype=tl.float32)
+                if RT_BIAS:
+                    bias = tl.load(rt_bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+                logits = tl.load(out_ptr + row * stride_or + (rt_start + e) * stride_on,
+                                 mask=valid, other=float("-inf"), cache_modifier=".cg")
+                top_k_store(logits.to(tl.float32), bias, rt_ids_ptr, rt_wts_ptr, row,
+                            rt_experts, rt_top_k, rt_stride_ir, rt_stride_ij, rt_stride_wr,
+                            rt_stride_wj, rt_scaling, RT_E_PAD, RT_K_PAD, RT_SOFTMAX, RT_BIAS,
+                            RT_RENORM)
+            tl.atomic_xchg(row_sem_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -403,6 +423,30 @@ class MixEpilogue:
 
 
 @dataclass(frozen=True)
+class RouterEpilogue:
+    """The router of a GEMM output's logits columns (the fuse pass's epilogue): its
+    ``experts`` columns from ``start``, the correction ``bias`` (None without one), the
+    ``ids`` and ``weights`` [R, top_k] it writes, and the router's ``score``,
+    ``renormalize`` and ``scaling``."""
+
+    start: int
+    experts: int
+    bias: torch.Tensor | None
+    ids: torch.Tensor
+    weights: torch.Tensor
+    top_k: int
+    score: str
+    renormalize: bool
+    scaling: float
+
+    def launch(self, out: torch.Tensor, pdl: bool) -> Router:
+        """The router as a launch of its own over ``out``'s logits columns."""
+        return Router(out[:, self.start:self.start + self.experts], self.bias, self.ids,
+                      self.weights, top_k=self.top_k, score=self.score,
+                      renormalize=self.renormalize, scaling=self.scaling, pdl=pdl)
+
+
+@dataclass(frozen=True)
 class InputNorm:
     """An RMSNorm of a GEMM's rows before the product (the fuse pass's input norm): its
     ``weight`` [K], ``eps`` and the ``dtype`` the unfused norm stored its output in."""
@@ -416,12 +460,14 @@ class SplitKGemm:
     """A prepared ``out = x @ w.T`` (all three bound once); calling it enqueues the launch
     (one kernel, two with split > 1) on the current stream. Capturable. With ``norm``, of
     ``rmsnorm(x)``: inside the GEMV form with one split, else an RMSNorm launch into a
-    scratch buffer first. With ``mix``, then the AttnRes step ``out`` is a row of: inside
-    the GEMV form with one split (its last program of each row), else a launch after."""
+    scratch buffer first. With ``mix``, then the AttnRes step ``out`` is a row of; with
+    ``route``, the router of ``out``'s logits columns: inside the GEMV form with one split
+    (its last program of each row), else a launch after."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                  tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None,
-                 mix: MixEpilogue | None = None) -> None:
+                 mix: MixEpilogue | None = None, route: RouterEpilogue | None = None
+                 ) -> None:
         _check(x, w, out)
         rows, k = x.shape
         n = w.shape[0]
@@ -447,13 +493,22 @@ class SplitKGemm:
         if self.fused:
             tiles = self.plan.grid[0] * self.plan.grid[2]
             self.sem = scratch(out.device, "splitk_sem", tiles, torch.int32, zeroed=True)
-        self.mix, self.mix_launch = mix, None
-        if mix is not None and not (self.plan.gemv and self.plan.split == 1):
-            self.mix, self.mix_launch = None, mix.launch(pdl)
-        if self.mix is not None:
-            self.mix_step = mix.launch(pdl)  # its checks, block sizes and probs scratch
-            self.mix_sem = scratch(out.device, "splitk_mix_sem", rows, torch.int32,
+        # epilogues: inside the one-split GEMV, else launches of their own after it
+        inside = self.plan.gemv and self.plan.split == 1
+        self.after: list[Any] = []
+        self.mix_step = self.route_step = None
+        if mix is not None:  # the prepared step: its checks, block sizes, probs scratch
+            self.mix_step = mix.launch(pdl)
+        if route is not None:
+            self.route_step = route.launch(out, pdl)
+        if not inside:
+            self.after = [s for s in (self.mix_step, self.route_step) if s is not None]
+            self.mix_step = self.route_step = None
+        self.row_sem = out
+        if self.mix_step is not None or self.route_step is not None:
+            self.row_sem = scratch(out.device, "splitk_row_sem", rows, torch.int32,
                                    zeroed=True)
+        self.route = route
 
     def __call__(self) -> None:
         """Enqueue the launch(es)."""
@@ -470,9 +525,10 @@ class SplitKGemm:
         if p.gemv:
             norm = self.norm
             _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
-                                 *self._mix_args(), BLOCK_W=p.block_w, CHUNK_K=p.block_k,
-                                 DEPTH=p.stages, NORM=norm is not None, num_stages=1,
-                                 **self._mix_shape(), **common)
+                                 self.row_sem, *self._mix_args(), *self._route_args(),
+                                 BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
+                                 NORM=norm is not None, num_stages=1, **self._mix_shape(),
+                                 **self._route_shape(), **common)
         else:
             _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,
                                    BLOCK_K=p.block_k, PRE=p.pre,
@@ -484,27 +540,47 @@ class SplitKGemm:
                 self.ws, out, self.rows, self.n, out.stride(0), out.stride(1),
                 SPLIT=p.split, BLOCK=REDUCE_BLOCK, USE_PDL=self.pdl, num_warps=4,
                 launch_pdl=self.pdl)
-        if self.mix_launch is not None:
-            self.mix_launch()
+        for launch in self.after:
+            launch()
 
     def _mix_args(self) -> tuple[Any, ...]:
-        """The GEMV's epilogue arguments (stand-ins the kernel never reads without one)."""
-        step = self.mix_step if self.mix is not None else None
+        """The GEMV's AttnRes epilogue arguments (stand-ins it never reads without one)."""
+        step = self.mix_step
         if step is None:
             out = self.out
-            return ((out,), (0,), (out,), (0,), out, out, out, out, out, out, out, 0, 0,
-                    0.0, 0.0)
+            return ((out,), (0,), (out,), (0,), out, out, out, out, out, out, 0, 0, 0.0, 0.0)
         return (step.sources, step.strides, step.deltas, step.delta_strides, step.query,
-                step.mix_norm, step.weight, step.out, step.prefix, step.probs, self.mix_sem,
+                step.mix_norm, step.weight, step.out, step.prefix, step.probs,
                 step.out.stride(0), step.prefix.stride(0), step.eps, step.norm_eps)
 
     def _mix_shape(self) -> dict[str, Any]:
-        """The GEMV's epilogue constants."""
-        step = self.mix_step if self.mix is not None else None
+        """The GEMV's AttnRes epilogue constants."""
+        step = self.mix_step
         if step is None:
             return dict(MIX=False, MIX_SRC=1, MIX_DELTA=0, MIX_PAD=2, MIX_CHUNK=16)
         return dict(MIX=True, MIX_SRC=len(step.sources), MIX_DELTA=step.n_delta,
                     MIX_PAD=step.s_pad, MIX_CHUNK=step.chunk)
+
+    def _route_args(self) -> tuple[Any, ...]:
+        """The GEMV's router epilogue arguments (stand-ins it never reads without one)."""
+        step, route = self.route_step, self.route
+        if step is None or route is None:
+            out = self.out
+            return (out, out, out, 0, 0, 0, 0, 0, 0, 0, 1.0)
+        bias = route.bias if route.bias is not None else route.weights
+        return (bias, route.ids, route.weights, route.start, route.experts, route.top_k,
+                route.ids.stride(0), route.ids.stride(1), route.weights.stride(0),
+                route.weights.stride(1), float(route.scaling))
+
+    def _route_shape(self) -> dict[str, Any]:
+        """The GEMV's router epilogue constants."""
+        step = self.route_step
+        if step is None:
+            return dict(ROUTE=False, RT_E_PAD=2, RT_K_PAD=2, RT_SOFTMAX=False, RT_BIAS=False,
+                        RT_RENORM=False)
+        return dict(ROUTE=True, RT_E_PAD=step.e_pad, RT_K_PAD=step.k_pad,
+                    RT_SOFTMAX=step.softmax, RT_BIAS=step.bias is not None,
+                    RT_RENORM=bool(step.renorm))
 
 
 def splitk_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,

@@ -231,14 +231,10 @@ def _cublas_projection(ctx: PrepareContext) -> Launch:
     x, w = ctx.inputs()[:2]
     out = ctx.outputs()[0]
     step = None
-    if "mix_sources" in ctx.node.attrs:  # the fuse pass's AttnRes epilogue
-        try:  # its Triton launch after the product
-            from stepgraph.runtime.providers.triton_dense import mix_epilogue
-        except ImportError:
-            mix_epilogue = None  # type: ignore[assignment]
-        if ctx.device.type != "cuda" or mix_epilogue is None:
+    if "mix_sources" in ctx.node.attrs or "router" in ctx.node.attrs:
+        step = _epilogue_after(ctx)  # the fuse pass's: its Triton launch after the product
+        if step is None:
             return reference_launch(ctx, ref_dense.projection)
-        step = mix_epilogue(ctx).launch(ctx.pdl)  # type: ignore[union-attr]
     if "input_norm_eps" not in ctx.node.attrs:
         normed, norm_launch = x, None
     else:
@@ -255,6 +251,21 @@ def _cublas_projection(ctx: PrepareContext) -> Launch:
             step()
 
     return launch
+
+
+def _epilogue_after(ctx: PrepareContext) -> Launch | None:
+    """A projection node's epilogue (AttnRes step or router) as a Triton launch after the
+    product, on a CUDA device where Triton imports; else None."""
+    if ctx.device.type != "cuda":
+        return None
+    try:
+        from stepgraph.runtime.providers.triton_dense import mix_epilogue, router_epilogue
+    except ImportError:
+        return None
+    mix, route = mix_epilogue(ctx), router_epilogue(ctx)
+    if mix is not None:
+        return mix.launch(ctx.pdl)
+    return route.launch(ctx.outputs()[0], ctx.pdl) if route is not None else None
 
 
 for _op in ("projection", "o_proj", "lm_head"):

@@ -18,10 +18,11 @@ from stepgraph.ir.ops import mix_epilogue_inputs
 from stepgraph.runtime.kernels.activation import gated_activation
 from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, AttnResNorm, RmsNorm
 from stepgraph.runtime.kernels.launch_utils import scratch
-from stepgraph.runtime.kernels.moe import Router
+from stepgraph.runtime.kernels.routing import Router
 from stepgraph.runtime.kernels.splitk_gemm import (
     InputNorm,
     MixEpilogue,
+    RouterEpilogue,
     SplitKGemm,
     SplitKTactic,
 )
@@ -50,17 +51,32 @@ def mix_epilogue(ctx: PrepareContext) -> MixEpilogue | None:
                        float(attrs["mix_norm_eps"]), pre_sources=early)
 
 
+def router_epilogue(ctx: PrepareContext) -> RouterEpilogue | None:
+    """The router epilogue of a projection node (the fuse pass's) over its bound tensors;
+    None without one."""
+    route = ctx.node.attrs.get("router")
+    if route is None:
+        return None
+    start, stop = route["columns"]
+    bias = ctx.inputs()[mix_epilogue_inputs(ctx.node)] if route.get("correction_bias") else None
+    _, ids, weights = ctx.outputs()
+    return RouterEpilogue(int(start), int(stop) - int(start), bias, ids, weights,
+                          int(route["top_k"]), route["score"], bool(route.get("renormalize")),
+                          float(route.get("scaling_factor", 1.0)))
+
+
 def _projection(ctx: PrepareContext) -> Launch:
     """``out = x @ W.T`` by the split-K skinny GEMM with the bin's tactic (of the rows'
-    RMSNorm when the fuse pass gave the node an input norm; then its AttnRes step when it
-    gave it that epilogue)."""
+    RMSNorm when the fuse pass gave the node an input norm; then its AttnRes step or its
+    router when it gave it that epilogue)."""
     x, weight = ctx.inputs()[:2]
     out = ctx.outputs()[0]
     tactic = SplitKTactic.from_mapping(ctx.tactic, x.shape[0])
     attrs = ctx.node.attrs
     norm = (InputNorm(ctx.inputs()[2], float(attrs["input_norm_eps"]),
                       input_norm_dtype(attrs, weight)) if "input_norm_eps" in attrs else None)
-    return SplitKGemm(x, weight, out, tactic, pdl=ctx.pdl, norm=norm, mix=mix_epilogue(ctx))
+    return SplitKGemm(x, weight, out, tactic, pdl=ctx.pdl, norm=norm, mix=mix_epilogue(ctx),
+                      route=router_epilogue(ctx))
 
 
 register("projection", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)

@@ -57,6 +57,7 @@ row the GEMV's last program of a row routes it; other forms launch the router af
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -281,6 +282,15 @@ def _apply(graph: Graph, fusions: list[_Fusion]) -> Graph:
     return g
 
 
+def _rewrite(graph: Graph, op: str, rewrite: Callable[[_Finder, Node], _Fusion | None]
+             ) -> tuple[Graph, list[_Fusion]]:
+    """``graph`` with ``rewrite`` (a :class:`_Finder` method) made of every ``op`` node it
+    takes, and those fusions."""
+    finder = _Finder(graph)
+    fusions = [f for node in graph if node.op == op if (f := rewrite(finder, node)) is not None]
+    return _apply(graph, fusions), fusions
+
+
 @dataclass(frozen=True)
 class Fuse:
     """Fuse each AttnRes prefix-sum add, mix and norm into one ``attn_res_norm`` node (see
@@ -301,17 +311,11 @@ class Fuse:
         g = _apply(graph, [*fusions, *norms])
         rule = tables_for(g, ctx).fuse
         epilogues: list[_Fusion] = []
-        if rule.mix_epilogue:
-            finder = _Finder(g)
-            epilogues = [f for node in g if node.op == "attn_res_norm"
-                         if (f := finder.mix_epilogue(node)) is not None]
-            g = _apply(g, epilogues)
         routers: list[_Fusion] = []
+        if rule.mix_epilogue:
+            g, epilogues = _rewrite(g, "attn_res_norm", _Finder.mix_epilogue)
         if rule.router_epilogue:
-            finder = _Finder(g)
-            routers = [f for node in g if node.op == "router"
-                       if (f := finder.router_epilogue(node)) is not None]
-            g = _apply(g, routers)
+            g, routers = _rewrite(g, "router", _Finder.router_epilogue)
         if not fusions and not norms and not epilogues and not routers:
             return PassResult(g, False, "no AttnRes mix or projection norm to fuse")
         adds = sum(len(f.dropped_nodes) - 2 for f in fusions)

@@ -27,12 +27,14 @@ from stepgraph.lower.ref_common import OpCall  # noqa: E402
 from stepgraph.lower.reference import REFERENCE_OPS  # noqa: E402
 from stepgraph.lower.tensors import read_view, storage_dtype, write_view  # noqa: E402
 from stepgraph.lower.weights import RandomWeights, materialize  # noqa: E402
+from stepgraph.passes.fuse import Fuse  # noqa: E402
 from stepgraph.passes.manager import CompileContext, run_pipeline  # noqa: E402
 from stepgraph.passes.pack import Pack  # noqa: E402
 from stepgraph.passes.shard import Shard  # noqa: E402
 from stepgraph.runtime.loader import rank_graph  # noqa: E402
 from stepgraph.spec import Deployment  # noqa: E402
 from stepgraph.spec_loader import load_spec  # noqa: E402
+from stepgraph.tactics import TacticTables, load_tables, table_path  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 BLOCK = 4
@@ -161,19 +163,39 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-@pytest.mark.parametrize(("model", "deployment"), [
-    ("tiny_k3", {"tp": 2}),
-    ("tiny_k3", {"tp": 2, "dcp": 2}),
-    ("tiny_k3", {"dep": 2}),
-    ("tiny_kimi_linear", {"tp": 4}),
+def _epilogue_tables(folder: Path) -> TacticTables:
+    """The h200 tables with the fuse pass's AttnRes and router epilogues on."""
+    import yaml
+
+    data = yaml.safe_load(table_path("h200").read_text())
+    data["fuse"] = {"mix_epilogue": True, "router_epilogue": True, "source": "a test"}
+    path = folder / "epilogues.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_tables("h200", path)
+
+
+@pytest.mark.parametrize(("model", "deployment", "epilogues"), [
+    ("tiny_k3", {"tp": 2}, False),
+    ("tiny_k3", {"tp": 2, "dcp": 2}, False),
+    ("tiny_k3", {"dep": 2}, False),
+    ("tiny_k3", {"dep": 2}, True),  # the fuse pass's epilogues on a DEP rank's graph
+    ("tiny_kimi_linear", {"tp": 4}, False),
 ])
-def test_sharded_plan_matches_tp1(model: str, deployment: dict[str, int]) -> None:
+def test_sharded_plan_matches_tp1(model: str, deployment: dict[str, int], epilogues: bool,
+                                  tmp_path: Path) -> None:
     torch.set_num_threads(1)
     s = load_spec(MODELS / f"{model}.yaml")
     base = Deployment(batches=(1, 2, 4, 8))
     d = Deployment(batches=(1, 2, 4, 8), **deployment)
-    plan, _ = run_pipeline(build_step(s.model, d), [Shard(), Pack()],
-                           CompileContext(s.model, d))
+    passes = [Shard(), Pack()]
+    ctx = CompileContext(s.model, d)
+    if epilogues:
+        passes.append(Fuse())
+        ctx.data["tactics"] = _epilogue_tables(tmp_path)
+    plan, _ = run_pipeline(build_step(s.model, d), passes, ctx)
+    if epilogues:
+        assert any("mix_sources" in n.attrs for n in plan)
+        assert any("router" in n.attrs for n in plan)
     dep, dcp = d.dep, d.dcp
     n = max(d.tp, dep)
     per_rank = [_prompts(r if dep > 1 else 0, 2) for r in range(n)]

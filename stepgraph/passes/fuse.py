@@ -198,10 +198,10 @@ class _Finder:
         self.taken.update((norm.name, reader.name))
         return _Fusion(fused, (norm.name, reader.name), (normed,))
 
-
     def mix_epilogue(self, mix: Node) -> _Fusion | None:
-        """``mix`` (an ``attn_res_norm``) as the epilogue of the projection writing its
-        last-produced input, when that input is one of its deltas; else None."""
+        """``mix`` (an ``attn_res_norm``) as the epilogue of a projection writing one of its
+        rows (the deltas tried last first, then the sources), where one may stand (see
+        :meth:`_epilogue_place`); else None."""
         g = self.g
         count, deltas = int(mix.attrs["sources"]), int(mix.attrs["deltas"])
         rows = list(mix.inputs[:count + deltas])
@@ -243,7 +243,6 @@ class _Finder:
                    if v != value and v in self.producers]
         return writer.name if all(p < there for p in written) else None
 
-
     def router_epilogue(self, router: Node) -> _Fusion | None:
         """``router`` as the epilogue of the projection whose output its logits view, or
         None."""
@@ -270,8 +269,8 @@ class _Finder:
 
 
 def _apply(graph: Graph, fusions: list[_Fusion]) -> Graph:
-    """A copy of ``graph`` with each fusion's node in place of its first dropped node and
-    the rest of its dropped nodes and values removed."""
+    """A copy of ``graph`` with each fusion's node in the place of the dropped node it names
+    (``at``, else its own name) and its other dropped nodes and values removed."""
     g = graph.copy()
     replace = {f.at or f.node.name: f.node for f in fusions}
     dropped = {name for f in fusions for name in f.dropped_nodes} - set(replace)
@@ -293,8 +292,10 @@ def _rewrite(graph: Graph, op: str, rewrite: Callable[[_Finder, Node], _Fusion |
 
 @dataclass(frozen=True)
 class Fuse:
-    """Fuse each AttnRes prefix-sum add, mix and norm into one ``attn_res_norm`` node (see
-    the module docstring); ``enabled`` off leaves the graph as it is."""
+    """Fuse each AttnRes prefix-sum add, mix and norm into one ``attn_res_norm`` node, each
+    lone norm into its projection and, where the target's tables ask, the AttnRes steps and
+    routers into the projections before them (see the module docstring); ``enabled`` off
+    leaves the graph as it is."""
 
     name: ClassVar[str] = "fuse"
     enabled: bool = True

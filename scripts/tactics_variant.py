@@ -30,11 +30,15 @@ from stepgraph.tactics import table_path
 SECTIONS = ("fuse", "streams", "pdl", "prefetch")  # sections whose keys a setting may set
 
 
+class VariantError(Exception):
+    """A setting the table cannot take (printed as one ``error:`` line, exit status 2)."""
+
+
 def set_field(data: dict[str, Any], op: str, field: str, value: int) -> None:
     """Set ``field`` to ``value`` in every bin of ``op``'s table (made when it has none)."""
     entry = data["ops"].get(op)
     if entry is None:
-        raise SystemExit(f"error: the table has no op {op!r} (ops: {', '.join(data['ops'])})")
+        raise VariantError(f"the table has no op {op!r} (ops: {', '.join(data['ops'])})")
     name = entry.get("table")
     if name is None:
         name = f"{op}_variant"
@@ -50,7 +54,7 @@ def set_field(data: dict[str, Any], op: str, field: str, value: int) -> None:
     table = data["tactics"][name]
     fields = list(table["fields"])
     if field not in fields:
-        raise SystemExit(f"error: table {name} has no field {field!r} (fields: "
+        raise VariantError(f"table {name} has no field {field!r} (fields: "
                          f"{', '.join(fields)})")
     where = fields.index(field)
     for row in table["rows"]:
@@ -59,7 +63,7 @@ def set_field(data: dict[str, Any], op: str, field: str, value: int) -> None:
                 continue  # a provider name, no tactic
             if len(tactic) <= where:
                 if where != len(tactic) or where < len(fields) - table.get("optional", 0):
-                    raise SystemExit(f"error: {name} bin {rows} stops before {field}: set the "
+                    raise VariantError(f"{name} bin {rows} stops before {field}: set the "
                                      f"fields before it in the table first")
                 tactic.append(value)
             else:
@@ -75,13 +79,22 @@ def main() -> int:
     source.add_argument("--target", default="h200")
     source.add_argument("--table")
     args = parser.parse_args()
+    try:
+        return write_variant(args)
+    except (VariantError, OSError, yaml.YAMLError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def write_variant(args: argparse.Namespace) -> int:
+    """Read the table, apply the settings, write the variant."""
     path = Path(args.table) if args.table else table_path(args.target)
     data = yaml.safe_load(path.read_text())
     for setting in args.settings:
         key, _, value = setting.partition("=")
         op, _, field = key.partition(".")
         if not (op and field and value.lstrip("-").isdigit()):
-            raise SystemExit(f"error: {setting!r} is not OP.FIELD=INTEGER")
+            raise VariantError(f"{setting!r} is not OP.FIELD=INTEGER")
         if op in SECTIONS:
             data.setdefault(op, {})[field] = int(value)
         else:

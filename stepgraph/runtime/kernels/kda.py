@@ -267,16 +267,23 @@ def _kda_gate_kernel(
 
 
 @triton.jit
-def _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, onorm_ptr, out_ptr, out_stride, eps,
+def _load_o_norm(onorm_ptr, D: tl.constexpr, BD: tl.constexpr):
+    """The output norm's weight [BD] in float32 (zeros past D)."""
+    d = tl.arange(0, BD)
+    return tl.load(onorm_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, weight, out_ptr, out_stride, eps,
                     row, h, H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                     GRANK: tl.constexpr, BR: tl.constexpr, LOW_RANK: tl.constexpr,
                     CG: tl.constexpr):
-    """Per-head RMSNorm of o times o_norm, times sigmoid of the output gate, of one (row,
-    head). ``CG``: o was written by other programs of this launch (read through L2)."""
+    """Per-head RMSNorm of o times the o_norm ``weight`` (loaded: :func:`_load_o_norm`),
+    times sigmoid of the output gate, of one (row, head). ``CG``: o was written by other
+    programs of this launch (read through L2)."""
     d = tl.arange(0, BD)
     mask = d < D
     chan = h * D + d
-    weight = tl.load(onorm_ptr + d, mask=mask, other=0.0).to(tl.float32)
     if CG:
         o = tl.load(o_ptr + (row * H + h) * D + d, mask=mask, other=0.0, cache_modifier=".cg")
     else:
@@ -353,8 +360,9 @@ def _kda_recurrent_kernel(
         tl.debug_barrier()
         done = tl.atomic_add(sem_ptr + n * H + h, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(2) - 1:  # every V block of this head has stored its o
+            weight = _load_o_norm(onorm_ptr, D, BD)
             for j in tl.static_range(Q):
-                _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, onorm_ptr, out_ptr,
+                _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, weight, out_ptr,
                                 out_stride, eps, row0 + j, h, H, D, BD, GRANK, BR, LOW_RANK,
                                 True)
             tl.atomic_xchg(sem_ptr + n * H + h, 0, sem="relaxed", scope="gpu")
@@ -366,11 +374,13 @@ def _kda_out_norm_kernel(
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GRANK: tl.constexpr,
     BR: tl.constexpr, LOW_RANK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """The gated output norm (:func:`_gated_out_norm`) of one (row, head)."""
+    """The gated output norm (:func:`_gated_out_norm`) of one (row, head); its weight
+    loads before the PDL wait."""
+    weight = _load_o_norm(onorm_ptr, D, BD)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, onorm_ptr, out_ptr, out_stride, eps,
+    _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, weight, out_ptr, out_stride, eps,
                     tl.program_id(0), tl.program_id(1), H, D, BD, GRANK, BR, LOW_RANK, False)
 
 

@@ -13,11 +13,11 @@ Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``
    row's routing weight into ``y[r * k + j]`` (float32).
 3. ``_moe_combine_kernel``: ``out[r] = sum_j y[r * k + j]`` over the row's experts held
    here (ids in ``[offset, offset + E)``), in the output's dtype; other ids add nothing.
-   With tactic ``combine`` 1 no third launch runs (default 0, until measured on the GPU:
-   docs/perf.md, ninth session): every down program counts
-   itself done on its column tile (an atomic counter, left at zero again), and the tile's
-   last one sums the tile's columns of every row the same way (:func:`combined_rows`), in
-   the same order, so the two forms write the same bits.
+   With tactic ``combine`` 1 (default 0 until measured on the GPU: docs/perf.md, ninth
+   session) no third launch runs: every down program counts itself done on its column tile
+   (an atomic counter, left at zero again), and the tile's last one sums the tile's columns
+   of every row the same way (:func:`combined_rows`), in the same order, so the two forms
+   write the same bits.
 
 The grid covers ``min(E, R * k)`` experts x tiles x ``ceil(R / BLOCK_M)`` chunks; programs
 past the active experts or rows return at once. A row's ids must be distinct (top-k).

@@ -32,7 +32,7 @@ from stepgraph.lower.caches import allocate_caches
 from stepgraph.lower.reference import REFERENCE_OPS, ReferenceExecutor
 from stepgraph.lower.weights import random_weights
 from stepgraph.spec_loader import load_spec
-from tests.conftest import MODELS
+from tests.conftest import MODELS, fuse_tables
 
 CPU = torch.device("cpu")
 
@@ -168,14 +168,7 @@ def test_fp32_reference_keeps_big_weights_and_computes_in_fp32(tiny: Graph,
 def tiny_routed_epilogues(tmp_path_factory: pytest.TempPathFactory) -> Graph:
     """tiny_k3 with every router the epilogue of its MoE front (tables
     ``fuse.router_epilogue``)."""
-    import yaml
-
-    from stepgraph.tactics import table_path
-
-    data = yaml.safe_load(table_path("h200").read_text())
-    data["fuse"] = {"router_epilogue": True, "source": "a test"}
-    path = tmp_path_factory.mktemp("tables") / "routers.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = fuse_tables(tmp_path_factory.mktemp("tables"), False, True)
     graph, _ = compile_graph(load_spec(MODELS / "tiny_k3.yaml"), tables_path=path)
     assert not any(n.op == "router" for n in graph)
     return graph

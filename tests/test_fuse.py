@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import MODELS, run_cli
+from conftest import MODELS, fuse_tables, run_cli
 
 from stepgraph.compiler import compile_graph
 from stepgraph.ir.graph import Graph
@@ -192,21 +192,6 @@ def test_fused_plan_computes_the_unfused_plan() -> None:
 # ------------------------------------------------------------------ AttnRes epilogues
 
 
-def _epilogue_tables(tmp_path, on: bool = True, routers: bool = False):
-    """The h200 tables with ``fuse.mix_epilogue`` (and ``router_epilogue``) set (a copy
-    in ``tmp_path``)."""
-    import yaml
-
-    from stepgraph.tactics import table_path
-
-    data = yaml.safe_load(table_path("h200").read_text())
-    data["fuse"] = {"mix_epilogue": on, "router_epilogue": routers, "source": "a test"}
-    data["version"] = f"test-epilogue-{on}-{routers}"
-    path = tmp_path / f"epilogue-{on}-{routers}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
 def _compiled_with(model: str, tables, **deployment: int) -> Graph:
     spec = load_spec(MODELS / f"{model}.yaml")
     graph, _ = compile_graph(spec, override_deployment(spec.deployment, **deployment),
@@ -220,7 +205,7 @@ def test_every_rank_step_becomes_the_epilogue_of_the_projection_before_it(tmp_pa
     next layer's attention step (with the shared expert as the other delta), the last one
     the final step; the graph verifies and the step is 24 launches shorter."""
     plain = _compiled("k3_rank_tp8")
-    fused = _compiled_with("k3_rank_tp8", _epilogue_tables(tmp_path))
+    fused = _compiled_with("k3_rank_tp8", fuse_tables(tmp_path))
     verify(fused)
     assert Counter(n.op for n in fused)["attn_res_norm"] == 0
     steps = sum(1 for n in plain if n.op == "attn_res_norm")
@@ -240,14 +225,14 @@ def test_every_rank_step_becomes_the_epilogue_of_the_projection_before_it(tmp_pa
 
 def test_an_all_reduced_product_keeps_its_step(tmp_path) -> None:
     """At TP2 o_proj's product is all-reduced before the step reads it: nothing fuses."""
-    fused = _compiled_with("tiny_k3", _epilogue_tables(tmp_path), tp=2)
+    fused = _compiled_with("tiny_k3", fuse_tables(tmp_path), tp=2)
     assert not any("mix_sources" in n.attrs for n in fused)
     assert Counter(n.op for n in fused)["attn_res_norm"] > 0
 
 
 def test_epilogues_off_by_default_and_when_the_table_says_so(tmp_path) -> None:
     for graph in (_compiled("tiny_k3"), _compiled_with("tiny_k3",
-                                                       _epilogue_tables(tmp_path, False))):
+                                                       fuse_tables(tmp_path, False))):
         assert not any("mix_sources" in n.attrs for n in graph)
 
 
@@ -256,7 +241,7 @@ def test_every_router_becomes_the_epilogue_of_its_front(tmp_path) -> None:
     left; each MoE front writes [front, ids, weights] with the router's attrs and the logits
     columns; the logits view is gone; the routed experts read the same ids."""
     plain = _compiled("k3_rank_tp8")
-    fused = _compiled_with("k3_rank_tp8", _epilogue_tables(tmp_path, True, routers=True))
+    fused = _compiled_with("k3_rank_tp8", fuse_tables(tmp_path, True, True))
     verify(fused)
     assert Counter(n.op for n in fused)["router"] == 0
     routers = [n for n in plain if n.op == "router"]
@@ -283,7 +268,7 @@ def test_epilogue_plan_computes_the_plain_plan(tmp_path, routers: bool) -> None:
 
     logits = []
     for on in (True, False):
-        graph = _compiled_with("tiny_k3", _epilogue_tables(tmp_path, on, routers and on))
+        graph = _compiled_with("tiny_k3", fuse_tables(tmp_path, on, routers and on))
         assert any("mix_sources" in n.attrs for n in graph) == on
         assert any("router" in n.attrs for n in graph) == (routers and on)
         weights = random_weights(graph, 3, dtype=torch.float32)

@@ -378,15 +378,9 @@ def interpreter_runtime(epilogues: bool = False) -> None:
     if epilogues:
         import tempfile
 
-        import yaml
+        from conftest import fuse_tables
 
-        from stepgraph.tactics import table_path
-
-        data = yaml.safe_load(table_path("h200").read_text())
-        data["fuse"] = {"mix_epilogue": True, "router_epilogue": True,
-                        "source": "interpreter check"}
-        tables = Path(tempfile.mkdtemp()) / "epilogues.yaml"
-        tables.write_text(yaml.safe_dump(data))
+        tables = fuse_tables(Path(tempfile.mkdtemp()), True, True)
     graph, _ = compile_graph(spec, override_deployment(spec.deployment, target="h200"),
                              tables_path=tables)
     step = load(graph, weights="random", device="cpu", dtype="float32", block_size=4,

@@ -106,7 +106,8 @@ def check_combine_forms(rows: int, experts: int, local: int, offset: int, top_k:
                         tactic: dict[str, int] | None = None, seed: int = 0) -> None:
     """The down launch's own combine (tactic ``combine`` 1) and the combine launch (0)
     write the same bits on the same fresh inputs (both summing in slot order), twice in a
-    row (the tile counters must be left at zero for the next launch)."""
+    row (the tile counters must be left at zero for the next launch), and both match the
+    float32 reference."""
     from stepgraph.runtime.providers.triton_moe import routed_experts
 
     gen = torch.Generator().manual_seed(seed)
@@ -127,6 +128,10 @@ def check_combine_forms(rows: int, experts: int, local: int, offset: int, top_k:
     assert not torch.isnan(outs[1]).any(), f"{where}: NaN from the combine launch"
     assert torch.equal(outs[0], outs[1]), f"{where}: fused and launched combines differ"
     assert torch.equal(outs[2], outs[1]), f"{where}: a second fused combine differs"
+    ref = ref_op("routed_experts", [x.float(), ids, wts, gate_up.float(), down.float()],
+                 attrs, [torch.float32])[0]
+    err = rel_err(outs[0], ref)
+    assert err < TOL_BF16, f"{where}: relative error {err:.3e} against the reference"
 
 
 def check_router(rows: int, experts: int, top_k: int, score: str, bias: bool,

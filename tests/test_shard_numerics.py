@@ -19,6 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import fuse_tables  # noqa: E402
+
 from stepgraph.frontend import build_step  # noqa: E402
 from stepgraph.ir.graph import Graph  # noqa: E402
 from stepgraph.ir.types import eval_dim  # noqa: E402
@@ -34,7 +36,7 @@ from stepgraph.passes.shard import Shard  # noqa: E402
 from stepgraph.runtime.loader import rank_graph  # noqa: E402
 from stepgraph.spec import Deployment  # noqa: E402
 from stepgraph.spec_loader import load_spec  # noqa: E402
-from stepgraph.tactics import TacticTables, load_tables, table_path  # noqa: E402
+from stepgraph.tactics import load_tables  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 BLOCK = 4
@@ -163,17 +165,6 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-def _epilogue_tables(folder: Path) -> TacticTables:
-    """The h200 tables with the fuse pass's AttnRes and router epilogues on."""
-    import yaml
-
-    data = yaml.safe_load(table_path("h200").read_text())
-    data["fuse"] = {"mix_epilogue": True, "router_epilogue": True, "source": "a test"}
-    path = folder / "epilogues.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return load_tables("h200", path)
-
-
 @pytest.mark.parametrize(("model", "deployment", "epilogues"), [
     ("tiny_k3", {"tp": 2}, False),
     ("tiny_k3", {"tp": 2, "dcp": 2}, False),
@@ -191,7 +182,7 @@ def test_sharded_plan_matches_tp1(model: str, deployment: dict[str, int], epilog
     ctx = CompileContext(s.model, d)
     if epilogues:
         passes.append(Fuse())
-        ctx.data["tactics"] = _epilogue_tables(tmp_path)
+        ctx.data["tactics"] = load_tables("h200", fuse_tables(tmp_path, True, True))
     plan, _ = run_pipeline(build_step(s.model, d), passes, ctx)
     if epilogues:
         assert any("mix_sources" in n.attrs for n in plan)

@@ -452,21 +452,32 @@ def launch_recurrent(qn, kn, vo, g, beta, state, slots, accepted, o, *, heads: i
     block_v = min(block_v, triton.next_power_of_2(head_dim))
     use_pdl = pdl_flag(pdl)
     grid = (rows // q_len, heads, triton.cdiv(head_dim, block_v))
-    norm = out_norm
-    gate = norm.gate if norm else o
-    low_rank = norm is not None and norm.g_b is not None
-    grank = norm.g_b.shape[1] if norm is not None and norm.g_b is not None else 1
+    if out_norm is None:  # stand-ins the kernel never reads
+        norm_args, norm_shape = _norm_operands(o, None, o, o, 0.0)
+        sem = slots
+    else:
+        norm_args, norm_shape = _norm_operands(out_norm.gate, out_norm.g_b, out_norm.o_norm,
+                                               out_norm.out, out_norm.eps)
+        sem = out_norm.sem
     _kda_recurrent_kernel[grid](
         qn, kn, vo, g, beta, state, state.stride(0),
         slots, accepted if accepted is not None else slots, o, head_dim**-0.5,
-        gate, gate.stride(0), norm.g_b if low_rank else o, norm.o_norm if norm else o,
-        norm.out if norm else o, norm.out.stride(0) if norm else 0,
-        norm.eps if norm else 0.0, norm.sem if norm else slots,
+        *norm_args, sem,
         H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim), BV=block_v, Q=q_len,
-        USE_PDL=use_pdl, OUT_NORM=norm is not None, GRANK=grank,
-        BR=min(32, triton.next_power_of_2(grank)), LOW_RANK=low_rank,
-        FENCE=not interpreting(), num_warps=num_warps, launch_pdl=use_pdl,
+        USE_PDL=use_pdl, OUT_NORM=out_norm is not None, FENCE=not interpreting(),
+        num_warps=num_warps, launch_pdl=use_pdl, **norm_shape,
     )
+
+
+def _norm_operands(gate, g_b, o_norm, out, eps: float) -> tuple[tuple, dict]:
+    """The gated output norm's kernel arguments after ``o`` (gate, its row stride, g_b or
+    a stand-in, o_norm, out, its row stride, eps) and its constants (GRANK, BR,
+    LOW_RANK)."""
+    low_rank = g_b is not None
+    grank = g_b.shape[1] if low_rank else 1
+    return ((gate, gate.stride(0), g_b if low_rank else o_norm, o_norm, out, out.stride(0),
+             float(eps)),
+            dict(GRANK=grank, BR=min(32, triton.next_power_of_2(grank)), LOW_RANK=low_rank))
 
 
 class OutNorm:
@@ -487,14 +498,9 @@ def launch_out_norm(o, gate, g_b, o_norm, out, *, heads: int, head_dim: int, eps
     """Enqueue the gated RMSNorm: ``o`` [rows, H, D] contiguous; ``gate`` [rows, H*D] (full)
     or [rows, rank] with ``g_b`` [H*D, rank] (low rank), unit column stride; ``out`` [rows,
     H*D] with unit column stride."""
-    rows = o.shape[0]
-    low_rank = g_b is not None
-    grank = g_b.shape[1] if low_rank else 1
     use_pdl = pdl_flag(pdl)
-    _kda_out_norm_kernel[(rows, heads)](
-        o, gate, gate.stride(0), g_b if low_rank else o_norm, o_norm, out, out.stride(0),
-        float(eps),
-        H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim), GRANK=grank,
-        BR=min(32, triton.next_power_of_2(grank)), LOW_RANK=low_rank, USE_PDL=use_pdl,
-        num_warps=4, launch_pdl=use_pdl,
+    norm_args, norm_shape = _norm_operands(gate, g_b, o_norm, out, eps)
+    _kda_out_norm_kernel[(o.shape[0], heads)](
+        o, *norm_args, H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim),
+        USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl, **norm_shape,
     )

@@ -508,7 +508,7 @@ class SplitKGemm:
         if self.mix_step is not None or self.route_step is not None:
             self.row_sem = scratch(out.device, "splitk_row_sem", rows, torch.int32,
                                    zeroed=True)
-        self.route = route
+        self.route_start = route.start if route is not None else 0
 
     def __call__(self) -> None:
         """Enqueue the launch(es)."""
@@ -563,14 +563,14 @@ class SplitKGemm:
 
     def _route_args(self) -> tuple[Any, ...]:
         """The GEMV's router epilogue arguments (stand-ins it never reads without one)."""
-        step, route = self.route_step, self.route
-        if step is None or route is None:
+        step = self.route_step
+        if step is None:
             out = self.out
             return (out, out, out, 0, 0, 0, 0, 0, 0, 0, 1.0)
-        bias = route.bias if route.bias is not None else route.weights
-        return (bias, route.ids, route.weights, route.start, route.experts, route.top_k,
-                route.ids.stride(0), route.ids.stride(1), route.weights.stride(0),
-                route.weights.stride(1), float(route.scaling))
+        ids, weights = step.ids, step.weights
+        return (step.bias if step.bias is not None else weights, ids, weights,
+                self.route_start, step.experts, step.top_k, ids.stride(0), ids.stride(1),
+                weights.stride(0), weights.stride(1), float(step.scaling))
 
     def _route_shape(self) -> dict[str, Any]:
         """The GEMV's router epilogue constants."""

@@ -72,6 +72,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{report.summary}", file=sys.stderr)
     nodes = len(document["graph"]["nodes"])
     print(f"wrote {args.output}: {spec.model.name} tp={deployment.tp} dcp={deployment.dcp} "
-          f"dep={deployment.dep} q={deployment.q}, {nodes} launches, {size / 1e6:.1f} MB, "
+          f"dep={deployment.dep} q={deployment.q}, {nodes} nodes, {size / 1e3:.1f} kB, "
           f"hash {document['hash'][:12]} ({seconds:.2f} s)")
     return 0

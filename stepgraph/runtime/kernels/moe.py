@@ -168,23 +168,37 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr,
 def combined_rows(y_ptr, ids_ptr, rows, offs, W, TOPK, expert_offset, E, stride_yr,
                   stride_ir, stride_ij, K_PAD: tl.constexpr, CG: tl.constexpr):
     """``sum_j y[rows * k + j, offs]`` (float32 ``[len(rows), len(offs)]``) over each row's
-    experts held here, in slot order (``rows`` a vector of row indices, negative ones masked
-    out). ``CG``: y was written by other programs of this launch, so it is read through L2
-    (``.cg``), never from a stale L1 line."""
-    js = tl.arange(0, K_PAD)
+    experts held here, added one slot after another in slot order (a tree reduction's order
+    would follow the tile's layout, which differs between the two combine forms; this one
+    does not), ``rows`` a vector of row indices, negative ones masked out. ``CG``: y was
+    written by other programs of this launch, so it is read through L2 (``.cg``), never
+    from a stale L1 line."""
     row_ok = rows >= 0
-    ids = tl.load(ids_ptr + rows[:, None] * stride_ir + js[None, :] * stride_ij,
-                  mask=row_ok[:, None] & (js < TOPK)[None, :], other=-1)
+    col_ok = offs < W
+    total = _expert_slot(y_ptr, ids_ptr, rows, row_ok, col_ok, offs, 0, TOPK, expert_offset,
+                         E, stride_yr, stride_ir, stride_ij, CG)
+    for j in tl.static_range(1, K_PAD):
+        total += _expert_slot(y_ptr, ids_ptr, rows, row_ok, col_ok, offs, j, TOPK,
+                              expert_offset, E, stride_yr, stride_ir, stride_ij, CG)
+    return total
+
+
+@triton.jit
+def _expert_slot(y_ptr, ids_ptr, rows, row_ok, col_ok, offs, j, TOPK, expert_offset, E,
+                 stride_yr, stride_ir, stride_ij, CG: tl.constexpr):
+    """y[rows * k + j, offs] as float32, zero where slot j's expert is not held here."""
+    ids = tl.load(ids_ptr + rows * stride_ir + j * stride_ij, mask=row_ok & (j < TOPK),
+                  other=-1)
     local = ids - expert_offset
-    ok = row_ok[:, None] & (js < TOPK)[None, :] & (local >= 0) & (local < E)
-    slots = (rows[:, None] * TOPK + js[None, :]).to(tl.int64)
-    ptrs = y_ptr + slots[:, :, None] * stride_yr + offs[None, None, :]
-    mask = ok[:, :, None] & (offs < W)[None, None, :]
+    ok = row_ok & (j < TOPK) & (local >= 0) & (local < E)
+    slots = (rows * TOPK + j).to(tl.int64)
+    ptrs = y_ptr + slots[:, None] * stride_yr + offs[None, :]
+    mask = ok[:, None] & col_ok[None, :]
     if CG:
         y = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
     else:
         y = tl.load(ptrs, mask=mask, other=0.0)
-    return tl.sum(y, 1)
+    return y.to(tl.float32)
 
 
 @triton.jit

@@ -209,7 +209,8 @@ def _poisoned(rows: int, width: int, dtype: Any, device: str, pad: int = 0) -> A
 
 def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
                     seed: int = 0) -> dict[str, float]:
-    """rmsnorm (bf16 and float32 inputs, strided), add (2 and 3 operands), attn_res_mix
+    """embed (a strided table; the gathered rows equal), rmsnorm (bf16 and float32 inputs,
+    strided), add (2 and 3 operands), attn_res_mix
     (1, 3 and 6 sources of different scales) and attn_res_norm (1 to 9 sources, 0 to 2
     deltas; both outputs) through the triton providers."""
     from stepgraph.runtime.providers import triton_dense as td
@@ -220,6 +221,15 @@ def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
         return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
 
     errors: dict[str, float] = {}
+    vocab = 50  # the embedding's draws from a generator of their own: the other ops' stay
+    embed_gen = torch.Generator().manual_seed(seed + 1000)
+    table = (torch.randn(vocab, width + 2, generator=embed_gen).to(torch.bfloat16)
+             .to(device)[:, 1:1 + width])  # rows strided, as a view of a wider table
+    tokens = torch.randint(0, vocab, (rows,), generator=embed_gen, dtype=torch.int32).to(device)
+    out = _poisoned(rows, width, torch.bfloat16, device, pad=1)
+    td.embed(context(node_of("embed", 2, 1), [tokens, table, out], pdl=pdl))()
+    ref = ref_op("embed", [tokens, table], {}, [torch.bfloat16])[0]
+    assert torch.equal(out, ref), f"embed rows={rows} width={width}: rows differ from table[tokens]"
     weight = rnd(width, scale=0.5)
     for dtype in (torch.bfloat16, torch.float32):
         x = rnd(rows, width + 3, scale=3.0, dtype=dtype)[:, 1:1 + width]
@@ -333,7 +343,7 @@ def interpreter_projection() -> None:
 
 
 def interpreter_small_ops() -> None:
-    """rmsnorm / add / attn_res_mix in the interpreter, and a chain of them with GEMMs."""
+    """embed / rmsnorm / add / attn_res_mix in the interpreter, and a chain of them with GEMMs."""
     for rows, width in ((3, 64), (5, 100), (2, 2500)):
         print(rows, width, check_small_ops(rows, width, "cpu", seed=rows))
     for rows in (1, 3):

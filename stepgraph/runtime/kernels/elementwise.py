@@ -1,4 +1,5 @@
-"""Triton kernels of the small fused ops: RMSNorm (one program a row), the residual add (a
+"""Triton kernels of the small fused ops: the token embedding (a program per row and column
+block), RMSNorm (one program a row), the residual add (a
 program per row and column block), the AttnRes mix (two launches spread over rows x sources,
 then rows x column blocks), and the fuse pass's prefix-sum + mix + RMSNorm (one launch, one
 program a row); float32 math, written in the output's dtype through its row
@@ -18,6 +19,7 @@ from stepgraph.runtime.kernels.launch_utils import next_pow2, pdl_allowed, scrat
 
 MAX_ROW = 32768  # the widest row one program holds (RMSNorm, AttnRes)
 ADD_BLOCK = 1024
+EMBED_BLOCK = 1024
 MIX_BLOCK = 2048  # columns a mix program covers (logits: per loop step)
 MAX_SOURCES = 64
 FUSED_CHUNK = 2048  # the most columns a sweep of the fused mix + norm covers at a time
@@ -31,6 +33,26 @@ ROW_REGS = 128  # registers a thread may use: 16 warps fit one SM (ptxas alone c
 
 def _warps(block: int) -> int:
     return 4 if block <= 1024 else 8 if block <= 4096 else 16
+
+
+@triton.jit
+def _embed_kernel(tok_ptr, table_ptr, out_ptr, H, V, stride_tv, stride_or,
+                  BLOCK: tl.constexpr, USE_PDL: tl.constexpr, TRIGGER: tl.constexpr):
+    """out[r, block] = table[tokens[r], block]; a token outside 0..V-1 gives zeros.
+    ``TRIGGER``: let the dependents launch at once, also when this launch itself is not a
+    PDL launch (the step's first launch, after the host's input copy), so that the next
+    launch streams its weights while this one gathers."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    token = tl.load(tok_ptr + row).to(tl.int64)
+    known = (token >= 0) & (token < V)
+    values = tl.load(table_ptr + token * stride_tv + offs, mask=mask & known, other=0.0)
+    tl.store(out_ptr + row * stride_or + offs, values.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -321,6 +343,32 @@ class RmsNorm:
             self.x, self.weight, self.out, self.out.shape[1], self.x.stride(0),
             self.out.stride(0), self.eps, BLOCK=self.block, USE_PDL=self.pdl,
             num_warps=_warps(self.block), launch_pdl=self.pdl)
+
+
+class Embed:
+    """A prepared gather of embedding rows: ``table[tokens]`` into ``out`` ``[R, H]``."""
+
+    def __init__(self, tokens: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
+                 pdl: bool = False) -> None:
+        if tokens.dim() != 1 or tokens.shape[0] != out.shape[0] or table.shape[1] != out.shape[1]:
+            raise UserError(f"embed: tokens {list(tokens.shape)}, table {list(table.shape)} "
+                            f"and output {list(out.shape)} do not fit together")
+        if not tokens.is_contiguous() or table.stride(1) != 1 or out.stride(1) != 1:
+            raise NotImplementedError("embed: tokens, table rows and output rows must be "
+                                      "contiguous")
+        self.tokens, self.table, self.out = tokens, table, out
+        self.pdl = pdl_allowed(pdl, out.device)
+        self.trigger = pdl_allowed(True, out.device)
+
+    def __call__(self) -> None:
+        """Enqueue the launch."""
+        rows, width = self.out.shape
+        if rows == 0:
+            return
+        _embed_kernel[(rows, triton.cdiv(width, EMBED_BLOCK))](
+            self.tokens, self.table, self.out, width, self.table.shape[0], self.table.stride(0),
+            self.out.stride(0), BLOCK=EMBED_BLOCK, USE_PDL=self.pdl, TRIGGER=self.trigger,
+            num_warps=4, launch_pdl=self.pdl)
 
 
 class Add:

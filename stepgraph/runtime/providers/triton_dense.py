@@ -1,7 +1,7 @@
 """Triton providers of the dense ops: ``splitk`` for projection / o_proj (the split-K skinny
 GEMM with the bin's tactic, with the fuse pass's input norm and AttnRes epilogue) and for
 the gated MLPs (shared_expert, dense_mlp: two split-K GEMMs around the gated activation,
-all with PDL), ``triton`` for rmsnorm, add, attn_res_mix, attn_res_norm and router.
+all with PDL), ``triton`` for embed, rmsnorm, add, attn_res_mix, attn_res_norm and router.
 
 Each factory binds the node's tensors once and returns the prepared launch (a callable that
 enqueues the kernels, capturable); all kernels take PDL when ``ctx.pdl`` allows it. A
@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from stepgraph.ir.ops import mix_epilogue_inputs
 from stepgraph.runtime.kernels.activation import gated_activation
-from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, AttnResNorm, RmsNorm
+from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, AttnResNorm, Embed, RmsNorm
 from stepgraph.runtime.kernels.launch_utils import scratch
 from stepgraph.runtime.kernels.routing import Router
 from stepgraph.runtime.kernels.splitk_gemm import (
@@ -118,6 +118,18 @@ def _gated_mlp(ctx: PrepareContext) -> Launch:
 for _op in ("shared_expert", "dense_mlp"):
     register(_op, "splitk", note="split-K gate_up, gated activation, split-K down; PDL")(
         _gated_mlp)
+
+
+@register("embed", "triton", note="gather of the tokens' rows, PDL (its dependents launch at once)")
+def embed(ctx: PrepareContext) -> Launch:
+    """Rows of the embedding table for the step's tokens (one rank's whole table; the
+    vocab-split form is the collectives module's)."""
+    if int(ctx.node.attrs.get("vocab_split", {}).get("ways", 1)) > 1:
+        raise NotImplementedError(f"node {ctx.node.name}: a vocab-split embedding (the "
+                                  "collectives module masks and all-reduces it)")
+    tokens, table = ctx.inputs()
+    (out,) = ctx.outputs()
+    return Embed(tokens, table, out, pdl=ctx.pdl)
 
 
 @register("rmsnorm", "triton", note="one program a row, PDL")

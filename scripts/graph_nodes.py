@@ -21,8 +21,9 @@ from stepgraph.artifact import load_artifact
 from stepgraph.bench.weights import device_random_weights
 from stepgraph.runtime import load
 
-NODE = re.compile(r'^"?(?P<id>[\w]+)"?\s*\[(?P<attrs>.*)\]\s*;?\s*$')
-EDGE = re.compile(r'^"?(?P<a>[\w]+)"?\s*->\s*"?(?P<b>[\w]+)"?')
+NODE = re.compile(r'"(?P<id>\w+)"\[[^\]]*?label="\{(?P<kind>\w+)\s*\n\| \{ID \| \d+ '
+                  r'\(topoId: \d+\) \| (?P<what>[^\\}]*)')
+EDGE = re.compile(r'"(?P<a>\w+)"\s*->\s*"(?P<b>\w+)"')
 
 
 class _DebugGraph(torch.cuda.CUDAGraph):
@@ -33,12 +34,25 @@ class _DebugGraph(torch.cuda.CUDAGraph):
         self.enable_debug_mode()
 
 
-def _node_kind(attrs: str) -> tuple[str, str]:
-    """(type, kernel name or '') from a DOT node's attributes."""
-    label = attrs.split("label=", 1)[-1]
-    kind = re.search(r"[A-Z][A-Z_]{2,}", label)
-    name = re.search(r"(_\w+_kernel|void [\w:<>]+|\w+_kernel\w*)", label)
-    return (kind.group(0) if kind else "?", name.group(0)[:40] if name else "")
+def summarize(text: str) -> str:
+    """Node counts by type of a CUDA graph's DOT dump, then a line for each node that is not
+    a kernel, naming the nodes before and after it."""
+    kinds = {m["id"]: (m["kind"], m["what"][:40]) for m in NODE.finditer(text)}
+    succ: dict[str, list[str]] = {}
+    pred: dict[str, list[str]] = {}
+    for edge in EDGE.finditer(text):
+        succ.setdefault(edge["a"], []).append(edge["b"])
+        pred.setdefault(edge["b"], []).append(edge["a"])
+
+    def named(ids: list[str]) -> list[str]:
+        return [kinds[i][1] or kinds[i][0] if i in kinds else "?" for i in ids]
+
+    lines = [f"{len(kinds)} nodes: " + ", ".join(
+        f"{kind} {count}" for kind, count in Counter(k for k, _ in kinds.values()).most_common())]
+    lines += [f"  {node_id:<24} {kind:<14} after {named(pred.get(node_id, []))} before "
+              f"{named(succ.get(node_id, []))}"
+              for node_id, (kind, _) in kinds.items() if kind != "KERNEL"]
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -54,28 +68,7 @@ def main() -> int:
                 max_requests=64, progress=False)
     dot = Path(args.dot) if args.dot else Path(tempfile.mkdtemp()) / "graph.dot"
     step.plans[step.bin_for(args.rows)].graph.debug_dump(str(dot))
-    kinds: dict[str, tuple[str, str]] = {}
-    succ: dict[str, list[str]] = {}
-    pred: dict[str, list[str]] = {}
-    for line in dot.read_text().splitlines():
-        line = line.strip()
-        edge = EDGE.match(line)
-        if edge:
-            succ.setdefault(edge["a"], []).append(edge["b"])
-            pred.setdefault(edge["b"], []).append(edge["a"])
-            continue
-        node = NODE.match(line)
-        if node and "label" in node["attrs"]:
-            kinds[node["id"]] = _node_kind(node["attrs"])
-    print(f"bin {step.bin_for(args.rows)}: {len(kinds)} nodes: "
-          + ", ".join(f"{k} {n}" for k, n in Counter(k for k, _ in kinds.values()).most_common()))
-    for node_id, (kind, _) in kinds.items():
-        if kind != "KERNEL":
-            before = [kinds.get(p, ("?", ""))[1] or kinds.get(p, ("?", ""))[0]
-                      for p in pred.get(node_id, [])]
-            after = [kinds.get(s, ("?", ""))[1] or kinds.get(s, ("?", ""))[0]
-                     for s in succ.get(node_id, [])]
-            print(f"  {node_id:<24} {kind:<14} after {before} before {after}")
+    print(f"bin {step.bin_for(args.rows)}: " + summarize(dot.read_text()))
     return 0
 
 

@@ -3,14 +3,16 @@ of an op: the file to compile the B side of an A/B with (``stepgraph compile ...
 VARIANT``, then ``scripts/ab_replay.py A.sgart B.sgart``).
 
 Usage: python3 scripts/tactics_variant.py OP.FIELD=VALUE [...] -o variant.yaml
-       [--target h200 | --table path.yaml]
+       [--target h200 | --table path.yaml] [--bin ROWS] [--shape NxK ...]
 
 An op with a table gets FIELD in every bin of every row (appended when the table lists it as
-an optional field and a bin leaves it out). An op without one (kda_core, mla_query) gets a
-table of its own: one row matching every shape, one bin serving every row count, the op's
-first provider. A section of the file instead of an op (``fuse``, ``streams``, ``pdl``)
-gets its key set (0 / 1 for a yes-no key). Example (the ninth session's forms, all off by
-default):
+an optional field and a bin leaves it out); ``--bin`` and ``--shape`` narrow that to one bin
+and to the rows matching those weight shapes (e.g. the shared-memory GEMV for two shapes at
+one row: ``projection.smem=4 --bin 1 --shape 7168x1536 --shape 7168x3584``). An op without
+one (kda_core, mla_query) gets a table of its own: one row matching every shape, one bin
+serving every row count, the op's first provider. A section of the file instead of an op
+(``fuse``, ``streams``, ``pdl``) gets its key set (0 / 1 for a yes-no key). Example (the
+ninth session's forms, all off by default):
 
     python3 scripts/tactics_variant.py routed_experts.combine=1 kda_core.out_norm=1 \\
         mla_query.norm_inside=1 fuse.mix_epilogue=1 streams.join_lead=0 -o fused.yaml
@@ -34,8 +36,11 @@ class VariantError(Exception):
     """A setting the table cannot take (printed as one ``error:`` line, exit status 2)."""
 
 
-def set_field(data: dict[str, Any], op: str, field: str, value: int) -> None:
-    """Set ``field`` to ``value`` in every bin of ``op``'s table (made when it has none)."""
+def set_field(data: dict[str, Any], op: str, field: str, value: int,
+              only_bin: int | None = None, shapes: frozenset[tuple[int, int]] = frozenset()
+              ) -> None:
+    """Set ``field`` to ``value`` in every bin of ``op``'s table (made when it has none);
+    ``only_bin``: in that bin only; ``shapes``: only in rows matching one of these (n, k)."""
     entry = data["ops"].get(op)
     if entry is None:
         raise VariantError(f"the table has no op {op!r} (ops: {', '.join(data['ops'])})")
@@ -57,10 +62,14 @@ def set_field(data: dict[str, Any], op: str, field: str, value: int) -> None:
         raise VariantError(f"table {name} has no field {field!r} (fields: "
                          f"{', '.join(fields)})")
     where = fields.index(field)
+    changed = 0
     for row in table["rows"]:
+        match = row.get("match", {})
+        if shapes and (match.get("n"), match.get("k")) not in shapes:
+            continue
         for rows, tactic in row["bins"].items():
-            if isinstance(tactic, str):
-                continue  # a provider name, no tactic
+            if isinstance(tactic, str) or (only_bin is not None and int(rows) != only_bin):
+                continue  # a provider name (no tactic), or another bin
             if len(tactic) <= where:
                 if where != len(tactic) or where < len(fields) - table.get("optional", 0):
                     raise VariantError(f"{name} bin {rows} stops before {field}: set the "
@@ -68,6 +77,10 @@ def set_field(data: dict[str, Any], op: str, field: str, value: int) -> None:
                 tactic.append(value)
             else:
                 tactic[where] = value
+            changed += 1
+    if not changed:
+        raise VariantError(f"table {name} has no bin{f' {only_bin}' if only_bin else ''} in "
+                           f"a row{' of those shapes' if shapes else ''} to set {field} in")
 
 
 def main() -> int:
@@ -78,6 +91,9 @@ def main() -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--target", default="h200")
     source.add_argument("--table")
+    parser.add_argument("--bin", type=int, help="set table fields in this bin only")
+    parser.add_argument("--shape", action="append", default=[], metavar="NxK",
+                        help="set table fields only in rows matching this weight shape")
     args = parser.parse_args()
     try:
         return write_variant(args)
@@ -90,6 +106,12 @@ def write_variant(args: argparse.Namespace) -> int:
     """Read the table, apply the settings, write the variant."""
     path = Path(args.table) if args.table else table_path(args.target)
     data = yaml.safe_load(path.read_text())
+    shapes = set()
+    for shape in args.shape:
+        n, _, k = shape.partition("x")
+        if not (n.isdigit() and k.isdigit()):
+            raise VariantError(f"--shape {shape!r} is not NxK (e.g. 7168x1536)")
+        shapes.add((int(n), int(k)))
     for setting in args.settings:
         key, _, value = setting.partition("=")
         op, _, field = key.partition(".")
@@ -98,8 +120,9 @@ def write_variant(args: argparse.Namespace) -> int:
         if op in SECTIONS:
             data.setdefault(op, {})[field] = int(value)
         else:
-            set_field(data, op, field, int(value))
-    data["version"] = f"{data['version']}+{'+'.join(args.settings)}"
+            set_field(data, op, field, int(value), args.bin, frozenset(shapes))
+    narrowed = "".join([f"@bin{args.bin}" if args.bin else "", *(f"@{s}" for s in args.shape)])
+    data["version"] = f"{data['version']}+{'+'.join(args.settings)}{narrowed}"
     Path(args.out).write_text(yaml.safe_dump(data, sort_keys=False))
     print(f"wrote {args.out}: {data['version']}")
     return 0

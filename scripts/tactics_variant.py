@@ -9,13 +9,13 @@ An op with a table gets FIELD in every bin of every row (appended when the table
 an optional field and a bin leaves it out); ``--bin`` and ``--shape`` narrow that to one bin
 and to the rows matching those weight shapes (e.g. the shared-memory GEMV for two shapes at
 one row: ``projection.smem=4 --bin 1 --shape 7168x1536 --shape 7168x3584``). An op without
-one (kda_core, mla_query) gets a table of its own: one row matching every shape, one bin
+one (kda_core) gets a table of its own: one row matching every shape, one bin
 serving every row count, the op's first provider. A section of the file instead of an op
-(``fuse``, ``streams``, ``pdl``) gets its key set (0 / 1 for a yes-no key). Example (the
-ninth session's forms, all off by default):
+(``streams``, ``pdl``, ``prefetch``) gets its key set (0 / 1 for a yes-no key). Example
+(forms the H200 table leaves off, docs/perf.md):
 
     python3 scripts/tactics_variant.py routed_experts.combine=1 kda_core.out_norm=1 \\
-        mla_query.norm_inside=1 fuse.mix_epilogue=1 streams.join_lead=0 -o fused.yaml
+        streams.join_lead=0 -o variant.yaml
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import yaml
 
 from stepgraph.tactics import table_path
 
-SECTIONS = ("fuse", "streams", "pdl", "prefetch")  # sections whose keys a setting may set
+SECTIONS = ("streams", "pdl", "prefetch")  # sections whose keys a setting may set
 
 
 class VariantError(Exception):

@@ -81,17 +81,6 @@ class StreamRule(_Strict):
     source: str = "no side stream"
 
 
-class FuseRule(_Strict):
-    """Which optional rewrites the fuse pass makes on this target: ``mix_epilogue``, the
-    AttnRes step (``attn_res_norm``) after a projection becomes that projection's epilogue;
-    ``router_epilogue``, the router of a projection's logits columns (see
-    :mod:`stepgraph.passes.fuse`)."""
-
-    mix_epilogue: bool = False
-    router_epilogue: bool = False
-    source: str = "no optional fusion"
-
-
 class Cap(_Strict):
     """Rows above which a kind takes the stock path (None: no cap); ``dcp_rows`` under DCP."""
 
@@ -146,7 +135,6 @@ class TableFile(_Strict):
     pdl: PdlRule
     prefetch: PrefetchRule
     streams: StreamRule = StreamRule()
-    fuse: FuseRule = FuseRule()
     caps: dict[str, Cap]
     providers: dict[str, ProviderInfo]
     ops: dict[str, OpProviders]
@@ -293,11 +281,6 @@ class TacticTables:
     def streams(self) -> StreamRule:
         """Which ops run on a side stream."""
         return self.data.streams
-
-    @property
-    def fuse(self) -> FuseRule:
-        """The fuse pass's optional rewrites on this target."""
-        return self.data.fuse
 
     def choose(self, op: str, rows: int, n: int | None = None, k: int | None = None,
                tp: int = 1, q: int = 1) -> Choice:

@@ -1,6 +1,5 @@
 """Shared fixtures: the repository's spec files, a runner for the CLI, and H200 tactic tables
-with the L2 prefetch forks or the fuse pass's epilogues turned on (the shipped H200 table
-turns them off)."""
+with the L2 prefetch forks turned on (the shipped H200 table turns them off)."""
 
 from __future__ import annotations
 
@@ -40,18 +39,5 @@ def fork_tables(directory: Path, budget: int = 16 << 20, rule: str = "seeds",
     data = yaml.safe_load((ROOT / "stepgraph/data/tactics/h200.yaml").read_text())
     data["prefetch"].update(fork_budget_bytes=budget, rule=rule, stream_min_bytes=stream_min)
     path = directory / f"h200-forks-{rule}-{budget}-{stream_min}.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
-def fuse_tables(directory: Path, mix_epilogue: bool = True, router_epilogue: bool = False
-                ) -> Path:
-    """A copy of the H200 tactic tables in ``directory`` with the fuse pass's optional
-    epilogues set as given; returns its path."""
-    data = yaml.safe_load((ROOT / "stepgraph/data/tactics/h200.yaml").read_text())
-    data["fuse"] = {"mix_epilogue": mix_epilogue, "router_epilogue": router_epilogue,
-                    "source": "a test"}
-    data["version"] = f"test-fuse-{mix_epilogue}-{router_epilogue}"
-    path = directory / f"h200-fuse-{mix_epilogue}-{router_epilogue}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from conftest import MODELS, fuse_tables, run_cli
+from conftest import MODELS, run_cli
 
 from stepgraph.compiler import compile_graph
 from stepgraph.ir.graph import Graph
@@ -187,95 +187,3 @@ def test_fused_plan_computes_the_unfused_plan() -> None:
     assert (np.isnan(fused) == ~steps).all() and float(np.abs(plain[steps]).max()) > 0
     err = float(np.linalg.norm(fused[steps] - plain[steps]) / np.linalg.norm(plain[steps]))
     assert err < 2e-6, f"fused vs unfused logits {err:.2e}"
-
-
-# ------------------------------------------------------------------ AttnRes epilogues
-
-
-def _compiled_with(model: str, tables, **deployment: int) -> Graph:
-    spec = load_spec(MODELS / f"{model}.yaml")
-    graph, _ = compile_graph(spec, override_deployment(spec.deployment, **deployment),
-                             tables_path=tables)
-    return graph
-
-
-def test_every_rank_step_becomes_the_epilogue_of_the_projection_before_it(tmp_path) -> None:
-    """k3-rank-tp8 with the epilogues on: no attn_res_norm node is left; each o_proj writes
-    its MLP step (a source at a block's start: layer 0 and 11), each routed_expert_up the
-    next layer's attention step (with the shared expert as the other delta), the last one
-    the final step; the graph verifies and the step is 24 launches shorter."""
-    plain = _compiled("k3_rank_tp8")
-    fused = _compiled_with("k3_rank_tp8", fuse_tables(tmp_path))
-    verify(fused)
-    assert Counter(n.op for n in fused)["attn_res_norm"] == 0
-    steps = sum(1 for n in plain if n.op == "attn_res_norm")
-    assert steps == 24 and len(plain) - len(fused) == steps
-    epilogues = {n.name: n for n in fused if "mix_sources" in n.attrs}
-    assert len(epilogues) == steps
-    l0 = epilogues["l0.o_proj"]
-    assert (l0.attrs["mix_sources"], l0.attrs["mix_deltas"], l0.attrs["mix_at"]) == (2, 0, 1)
-    assert l0.outputs == ("l0.attn_out", "l0.post_attention_norm")
-    up = epilogues["l3.routed_up"]
-    assert up.outputs[1:] == ("l4.input_norm", "l3.residual_mlp")
-    assert (up.attrs["mix_sources"], up.attrs["mix_deltas"], up.attrs["mix_at"]) == (2, 2, 2)
-    assert "l3.shared" in up.inputs and "input_norm_eps" in up.attrs
-    assert epilogues["l11.routed_up"].outputs[1] in {v for n in fused if n.op == "lm_head"
-                                                     for v in n.inputs}
-
-
-def test_an_all_reduced_product_keeps_its_step(tmp_path) -> None:
-    """At TP2 o_proj's product is all-reduced before the step reads it: nothing fuses."""
-    fused = _compiled_with("tiny_k3", fuse_tables(tmp_path), tp=2)
-    assert not any("mix_sources" in n.attrs for n in fused)
-    assert Counter(n.op for n in fused)["attn_res_norm"] > 0
-
-
-def test_epilogues_off_by_default_and_when_the_table_says_so(tmp_path) -> None:
-    for graph in (_compiled("tiny_k3"), _compiled_with("tiny_k3",
-                                                       fuse_tables(tmp_path, False))):
-        assert not any("mix_sources" in n.attrs for n in graph)
-
-
-def test_every_router_becomes_the_epilogue_of_its_front(tmp_path) -> None:
-    """k3-rank-tp8 with the router epilogues on (and the AttnRes ones): no router node is
-    left; each MoE front writes [front, ids, weights] with the router's attrs and the logits
-    columns; the logits view is gone; the routed experts read the same ids."""
-    plain = _compiled("k3_rank_tp8")
-    fused = _compiled_with("k3_rank_tp8", fuse_tables(tmp_path, True, True))
-    verify(fused)
-    assert Counter(n.op for n in fused)["router"] == 0
-    routers = [n for n in plain if n.op == "router"]
-    assert len(routers) == 12 and len(plain) - len(fused) == 12 + 24
-    front = fused.node("l1.front")
-    assert front.outputs == ("l1.front", "l1.topk_ids", "l1.topk_weights")
-    assert front.attrs["router"]["columns"] == [0, 112]
-    assert front.attrs["router"]["top_k"] == plain.node("l1.router").attrs["top_k"]
-    assert front.inputs[-1] == "layers.1.mlp.gate.e_score_correction_bias"
-    assert "l1.router_logits" not in fused.values and "l1.latent" in fused.values
-    experts = fused.node("l1.routed_experts")
-    assert experts.inputs[1:3] == ("l1.topk_ids", "l1.topk_weights")
-
-
-@pytest.mark.parametrize("routers", [False, True])
-def test_epilogue_plan_computes_the_plain_plan(tmp_path, routers: bool) -> None:
-    """The reference executor in float32 on random weights: the plan with the epilogues
-    (AttnRes steps, and routers) gives the logits of the plan without them (the same ops in
-    the same order)."""
-    torch = pytest.importorskip("torch")
-    torch.set_num_threads(1)
-    from stepgraph.lower.decode import DecodeRunner, run_prompts
-    from stepgraph.lower.weights import random_weights
-
-    logits = []
-    for on in (True, False):
-        graph = _compiled_with("tiny_k3", fuse_tables(tmp_path, on, routers and on))
-        assert any("mix_sources" in n.attrs for n in graph) == on
-        assert any("router" in n.attrs for n in graph) == (routers and on)
-        weights = random_weights(graph, 3, dtype=torch.float32)
-        runner = DecodeRunner(graph, weights, 4, 12)
-        logits.append(run_prompts(runner, PROMPTS))
-    fused, plain = logits
-    steps = ~np.isnan(plain)
-    assert (np.isnan(fused) == ~steps).all() and float(np.abs(plain[steps]).max()) > 0
-    err = float(np.linalg.norm(fused[steps] - plain[steps]) / np.linalg.norm(plain[steps]))
-    assert err < 2e-6, f"epilogue vs plain logits {err:.2e}"

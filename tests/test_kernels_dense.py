@@ -107,103 +107,6 @@ def check_projection(rows: int, n: int, k: int, tactic: dict[str, int], out_dtyp
     return err
 
 
-def check_projection_mix(rows: int, n: int, k: int, tactic: dict[str, int], sources: int,
-                         deltas: int, at: int, device: str, norm: bool = False,
-                         pdl: bool = False, seed: int = 0, launches: int = 2) -> list[float]:
-    """The splitk provider with the fuse pass's AttnRes epilogue: the product is row ``at``
-    of a step of ``sources`` sources and ``deltas`` deltas (the others fresh random BF16
-    rows, of different scales so the mix matters); every output NaN-poisoned before each of
-    ``launches`` launches (the epilogue's row counters must be left at zero). Returns the
-    relative errors of [product, normed, prefix] against the reference op (the last run)."""
-    from stepgraph.runtime.providers.triton_dense import _projection
-
-    gen = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape: int, scale: float = 1.0) -> Any:
-        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16).to(device)
-
-    ins = [rnd(rows, k, scale=3.0), rnd(n, k, scale=k ** -0.5)]
-    attrs: dict[str, Any] = {"mix_sources": sources, "mix_deltas": deltas, "mix_at": at,
-                             "mix_eps": 1e-6, "mix_norm_eps": 1e-5}
-    if norm:
-        ins.append((1.0 + 0.5 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(device))
-        attrs.update(input_norm_eps=1e-5, input_norm_dtype="bfloat16")
-    ins += [rnd(rows, n, scale=0.5 + i) for i in range(sources + deltas - 1)]
-    ins += [rnd(n), (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16).to(device),
-            (1.0 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16).to(device)]
-    outs = [torch.empty(rows, n, dtype=torch.bfloat16, device=device)
-            for _ in range(3 if deltas else 2)]
-    node = node_of("projection", len(ins), len(outs), **attrs)
-    launch = _projection(context(node, [*ins, *outs], pdl=pdl, tactic=tactic))
-    where = (f"projection + AttnRes step rows={rows} {n}x{k} tactic={tactic} "
-             f"sources={sources} deltas={deltas} at={at} norm={norm}")
-    inside = tactic.get("n_tile") == 1 and tactic.get("split", 1) == 1  # the GEMV's own
-    assert (launch.mix_step is not None) == inside == (not launch.after), where
-    for _ in range(launches):
-        for out in outs:
-            out.fill_(float("nan"))
-        launch()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        for i, out in enumerate(outs):
-            assert not torch.isnan(out).any(), f"{where}: NaN (unwritten) in output {i}"
-    refs = ref_op("projection", [t.float() for t in ins], attrs,
-                  [torch.bfloat16] * len(outs))
-    errors = [rel_err(out, ref) for out, ref in zip(outs, refs, strict=True)]
-    assert max(errors) < TOL_BF16, f"{where}: relative errors {errors}"
-    return errors
-
-
-def check_projection_route(rows: int, n: int, k: int, tactic: dict[str, int], experts: int,
-                           start: int, top_k: int, device: str, score: str = "sigmoid",
-                           bias: bool = True, pdl: bool = False, seed: int = 0,
-                           launches: int = 2) -> float:
-    """The splitk provider with the fuse pass's router epilogue over float32 logits columns
-    ``start`` .. ``start + experts`` of the product (as the MoE front): ids and weights
-    poisoned before each of ``launches`` launches; the product against the reference op,
-    the ids as the same set per row, the weights per id. Returns the product's error."""
-    from stepgraph.runtime.providers.triton_dense import _projection
-
-    gen = torch.Generator().manual_seed(seed)
-    ins = [(torch.randn(rows, k, generator=gen) * 3).to(torch.bfloat16).to(device),
-           (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(device)]
-    route = {"experts": experts, "top_k": top_k, "score": score, "correction_bias": bias,
-             "renormalize": True, "scaling_factor": 2.5, "columns": [start, start + experts]}
-    if bias:
-        ins.append((torch.randn(experts, generator=gen) * 0.2).to(device))
-    outs = [torch.empty(rows, n, device=device),
-            torch.empty(rows, top_k, dtype=torch.int32, device=device),
-            torch.empty(rows, top_k, device=device)]
-    node = node_of("projection", len(ins), 3, router=route)
-    launch = _projection(context(node, [*ins, *outs], pdl=pdl, tactic=tactic))
-    where = (f"projection + router rows={rows} {n}x{k} tactic={tactic} experts={experts} "
-             f"at {start} top-{top_k} {score} bias={bias}")
-    inside = tactic.get("n_tile") == 1 and tactic.get("split", 1) == 1
-    assert (launch.route_step is not None) == inside == (not launch.after), where
-    for _ in range(launches):
-        outs[0].fill_(float("nan"))
-        outs[1].fill_(-1)
-        outs[2].fill_(float("nan"))
-        launch()
-        if device == "cuda":
-            torch.cuda.synchronize()
-    from stepgraph.lower.ref_dense import route as reference_route
-
-    product = ref_op("projection", [t.float() for t in ins], {"router": route},
-                     [torch.float32, torch.int32, torch.float32])[0]
-    err = rel_err(outs[0], product)
-    assert err < TOL_BF16, f"{where}: product error {err:.3e}"
-    # the routing of the logits as stored (the product's rounding cannot flip a choice)
-    logits = outs[0][:, start:start + experts]
-    want_ids, want_w = reference_route(logits, ins[2].float() if bias else None, route,
-                                       torch.float32)
-    a, b = want_ids.long().sort(1), outs[1].long().sort(1)
-    assert torch.equal(a.values, b.values), f"{where}: ids differ\n{a.values}\n{b.values}"
-    werr = float((want_w.gather(1, a.indices) - outs[2].gather(1, b.indices)).abs().max())
-    assert werr < 1e-5, f"{where}: weights differ by {werr:.3e}"
-    return err
-
-
 def _poisoned(rows: int, width: int, dtype: Any, device: str, pad: int = 0) -> Any:
     base = torch.full((rows, width + 2 * pad), float("nan"), dtype=dtype, device=device)
     return base[:, pad:pad + width]
@@ -331,27 +234,6 @@ def interpreter_projection() -> None:
             (2, 33, 96, (16, 1, 1, 2, 32, 4, 6), torch.bfloat16, True))):
         err = check_projection(rows, n, k, _tactic(t), dtype, "cpu", seed=30 + seed, norm=norm)
         print(f"projection, shared-memory GEMV rows={rows} n={n} k={k} {t}: {err:.2e}")
-    # with the AttnRes step as its epilogue: inside the GEMV (one row: the last program of the
-    # row; 2 rows: two counters), the product a delta or a block's first source, with and
-    # without the input norm; a step launch after the GEMV with 2 splits and the MMA form
-    for seed, (rows, t, sources, deltas, at, norm) in enumerate((
-            (1, (8, 1, 1, 2), 2, 1, 2, False), (2, (16, 1, 1, 2), 2, 2, 2, True),
-            (1, (8, 1, 1, 3), 3, 0, 2, False), (1, (32, 1, 1, 2), 2, 2, 3, True),
-            (1, (8, 1, 2, 2), 2, 1, 2, False), (3, (32, 16, 1, 2), 3, 1, 3, True))):
-        tactic = {**_tactic(t), "k_tile": 32}
-        errors = check_projection_mix(rows, 200, 96, tactic, sources, deltas, at, "cpu",
-                                      norm=norm, seed=40 + seed)
-        print(f"projection + AttnRes step rows={rows} {t} {sources}+{deltas} at {at}: "
-              f"{max(errors):.2e}")
-    # with the router as its epilogue: inside the GEMV (1 and 2 rows, logits not at column
-    # 0, softmax without bias), and a router launch after the MMA form
-    for seed, (rows, t, start, score, bias) in enumerate((
-            (1, (16, 1, 1, 2), 0, "sigmoid", True), (2, (8, 1, 1, 2), 5, "softmax", False),
-            (3, (32, 16, 1, 2), 0, "sigmoid", True))):
-        tactic = {**_tactic(t), "k_tile": 32}
-        err = check_projection_route(rows, 120, 96, tactic, 37, start, 4, "cpu", score=score,
-                                     bias=bias, seed=60 + seed)
-        print(f"projection + router rows={rows} {t}: {err:.2e}")
 
 
 def interpreter_small_ops() -> None:
@@ -367,12 +249,10 @@ def interpreter_small_ops() -> None:
         print(f"gated mlp rows={rows} {tactic}: {err:.2e}")
 
 
-def interpreter_runtime(epilogues: bool = False) -> None:
+def interpreter_runtime() -> None:
     """tiny_k3 through the runtime on CPU with these providers (registered for the CPU here;
     ``splitk`` standing in for every cuBLAS projection) against the reference executor over
-    a few decode steps with padded rows; ``epilogues``: compiled with the fuse pass's AttnRes
-    epilogues and router epilogues (inside the GEMV at one row, a launch after the product
-    in larger bins)."""
+    a few decode steps with padded rows."""
     import numpy as np
     from conftest import MODELS
 
@@ -396,15 +276,7 @@ def interpreter_runtime(epilogues: bool = False) -> None:
             ("routed_experts", "triton_fused_moe", tm.routed_experts)):
         REGISTRY.add(ProviderEntry(op, provider, factory, ("cuda", "cpu")))
     spec = load_spec(MODELS / "tiny_k3.yaml")
-    tables = None
-    if epilogues:
-        import tempfile
-
-        from conftest import fuse_tables
-
-        tables = fuse_tables(Path(tempfile.mkdtemp()), True, True)
-    graph, _ = compile_graph(spec, override_deployment(spec.deployment, target="h200"),
-                             tables_path=tables)
+    graph, _ = compile_graph(spec, override_deployment(spec.deployment, target="h200"))
     step = load(graph, weights="random", device="cpu", dtype="float32", block_size=4,
                 max_context=16, progress=False, allow_target_mismatch=True)
     report = step.report()
@@ -412,10 +284,8 @@ def interpreter_runtime(epilogues: bool = False) -> None:
     # (tiny_k3 has no rmsnorm launch left: the fuse pass made each its projection's input
     # norm, which the split-K GEMM standing in for cuBLAS computes)
     assert any("input_norm_eps" in n.attrs for n in graph)
-    assert any("mix_sources" in n.attrs for n in graph) == epilogues
-    assert any("router" in n.attrs for n in graph) == epilogues
-    for needle in ("routed_experts:triton_fused_moe", "projection:cublas",
-                   *(() if epilogues else ("attn_res_norm:triton", "router:triton"))):
+    for needle in ("routed_experts:triton_fused_moe", "router:triton", "projection:cublas",
+                   "attn_res_norm:triton"):
         assert needle in report, f"the runtime did not pick {needle}"
     prompts = [[1, 2, 3], [10, 20], [200, 100, 50], [7]]  # 4, 4, 3 (one padded) rows
     got = run_prompts(CompiledDecodeRunner(step), prompts)
@@ -488,61 +358,6 @@ def sm90_projection() -> None:
         assert c.loads_before_wait(), f"{n}x{k} input norm: no weight load before the wait"
 
 
-def sm90_projection_mix() -> None:
-    """The one-row GEMVs that take the AttnRes step as their epilogue at k3-rank-tp8's
-    tactics (o_proj 7168 x 1536, routed_expert_up 7168 x 3584 with its input norm), with
-    the steps K3 has (2 sources + 1 or 2 deltas, 3 sources + 0 or 1), and the MoE front
-    with its router: no spills, no shared memory staging, and no more registers than the
-    GEMV without its epilogue (its programs an SM)."""
-    from stepgraph.runtime.kernels.splitk_gemm import (
-        InputNorm,
-        MixEpilogue,
-        SplitKGemm,
-        SplitKTactic,
-    )
-
-    for n, k, t, norm in ((7168, 1536, (32, 1, 1, 2, 0, 8), False),
-                          (7168, 3584, (32, 1, 1, 2, 0, 8), True)):
-        input_norm = InputNorm(_meta(k), 1e-5, torch.bfloat16) if norm else None
-        plain = SplitKGemm(_meta(1, k), _meta(n, k), _meta(1, n), SplitKTactic(*t),
-                           norm=input_norm)
-        plain.pdl = True
-        (base,) = sm90_compiles(plain)
-        for sources, deltas in ((2, 1), (2, 2), (3, 0), (3, 1)):
-            out = _meta(1, n)
-            rows = [out, *(_meta(1, n) for _ in range(sources + deltas - 1))]
-            mix = MixEpilogue(tuple(rows), sources, _meta(n), _meta(n), _meta(n), _meta(1, n),
-                              _meta(1, n) if deltas else None, 1e-6, 1e-5)
-            gemm = SplitKGemm(_meta(1, k), _meta(n, k), out, SplitKTactic(*t),
-                              norm=input_norm, mix=mix)
-            gemm.pdl = True
-            (c,) = sm90_compiles(gemm)
-            where = f"{n}x{k} norm={norm} step {sources}+{deltas}"
-            print(f"{c.name} {where}: {c.regs} regs (without the step {base.regs}), "
-                  f"{c.spills} B spilled, {c.shared} B shared")
-            assert c.spills == 0 and c.shared <= 4096, where
-            assert c.regs <= max(base.regs, 128), f"{where}: {c.regs} registers"
-            assert c.loads_before_wait() and "atom" in c.ptx, where
-    # the MoE front (3696 x 7168, float32 out) with its router (112 experts, top-2, bias)
-    from stepgraph.runtime.kernels.splitk_gemm import RouterEpilogue
-
-    t = (16, 1, 1, 2, 0, 8)
-    out = _meta(1, 3696, dtype=torch.float32)
-    plain = SplitKGemm(_meta(1, 7168), _meta(3696, 7168), out, SplitKTactic(*t))
-    plain.pdl = True
-    (base,) = sm90_compiles(plain)
-    route = RouterEpilogue(0, 112, _meta(112, dtype=torch.float32),
-                           _meta(1, 2, dtype=torch.int32), _meta(1, 2, dtype=torch.float32), 2,
-                           "sigmoid", True, 2.5)
-    gemm = SplitKGemm(_meta(1, 7168), _meta(3696, 7168), out, SplitKTactic(*t), route=route)
-    gemm.pdl = True
-    (c,) = sm90_compiles(gemm)
-    print(f"{c.name} front with its router: {c.regs} regs (without {base.regs}), "
-          f"{c.spills} B spilled, {c.shared} B shared")
-    assert c.spills == 0 and c.shared <= 4096 and c.regs <= max(base.regs, 128), "front"
-    assert c.loads_before_wait() and "atom" in c.ptx, "front with its router"
-
-
 def sm90_small_ops() -> None:
     """rmsnorm / add / attn_res_mix / attn_res_norm at K3 widths compile for sm_90 without
     spills."""
@@ -590,9 +405,7 @@ CHECKS = {
     "interp-projection": interpreter_projection,
     "interp-small": interpreter_small_ops,
     "interp-runtime": interpreter_runtime,
-    "interp-runtime-mix": lambda: interpreter_runtime(epilogues=True),
     "sm90-projection": sm90_projection,
-    "sm90-mix": sm90_projection_mix,
     "sm90-small": sm90_small_ops,
 }
 
@@ -607,17 +420,15 @@ def test_interpreter(check: str) -> None:
 
 @needs_triton
 @pytest.mark.slow
-@pytest.mark.parametrize("check", ["interp-runtime", "interp-runtime-mix"])
-def test_interpreter_runtime_tiny_k3(check: str) -> None:
-    """tiny_k3 through the runtime with these providers in the interpreter vs the reference
-    (and with the AttnRes steps and routers as epilogues of the projections before them)."""
-    result = run_script(HERE, check, interpret=True)
+def test_interpreter_runtime_tiny_k3() -> None:
+    """tiny_k3 through the runtime with these providers in the interpreter vs the reference."""
+    result = run_script(HERE, "interp-runtime", interpret=True)
     assert result.returncode == 0, explain(result)
 
 
 @needs_triton
 @pytest.mark.slow
-@pytest.mark.parametrize("check", ["sm90-projection", "sm90-mix", "sm90-small"])
+@pytest.mark.parametrize("check", ["sm90-projection", "sm90-small"])
 def test_sm90_compile(check: str) -> None:
     """The launches at K3 shapes compile for sm_90 (no GPU needed) without spills, with PDL."""
     result = run_script(HERE, check, interpret=False)
@@ -764,38 +575,6 @@ def test_projection_with_input_norm_gpu(rows: int) -> None:
         err = rel_err(out, ref)
         print(f"input norm rows={rows} replay {replay}: {err:.2e}")
         assert err < TOL_BF16, f"rows={rows} replay {replay}: relative error {err:.3e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", (1, 2, 8))
-def test_projection_with_mix_epilogue_gpu(rows: int) -> None:
-    """k3-rank-tp8's o_proj (7168 x 1536) and routed_expert_up (7168 x 3584, input norm)
-    with the AttnRes step as their epilogue, in the one-row GEMV (PDL; the row counters
-    under concurrency) and, at 8 rows, the MMA form with a step launch after; launched
-    three times on the same inputs with the outputs poisoned in between."""
-    cases = [((7168, 1536, (32, 1, 1, 2, 0, 8), False), (2, 1, 2)),
-             ((7168, 3584, (32, 1, 1, 2, 0, 8), True), (2, 2, 2)),
-             ((7168, 1536, (32, 1, 1, 2, 0, 8), False), (3, 0, 2)),
-             ((7168, 3584, (32, 1, 1, 2, 0, 8), True), (3, 1, 3))]
-    for (n, k, t, norm), (sources, deltas, at) in cases:
-        tactic = _tactic(t) if rows < 8 else _tactic((128, 16, 1, 4))
-        errors = check_projection_mix(rows, n, k, tactic, sources, deltas, at, "cuda",
-                                      norm=norm, pdl=True, seed=rows, launches=3)
-        print(f"rows={rows} {n}x{k} step {sources}+{deltas}: {errors}")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", (1, 2, 8))
-def test_projection_with_router_epilogue_gpu(rows: int) -> None:
-    """k3-rank-tp8's MoE front (3696 x 7168, float32 out) with its router (112 experts,
-    top-2, bias) as its epilogue: inside the one-row GEMV (PDL; the row counters under
-    concurrency), a router launch after the MMA form at 8 rows; three launches."""
-    tactic = _tactic((16, 1, 1, 2, 0, 8)) if rows < 8 else _tactic((128, 16, 1, 4))
-    err = check_projection_route(rows, 3696, 7168, tactic, 112, 0, 2, "cuda", pdl=True,
-                                 seed=rows, launches=3)
-    print(f"rows={rows}: product error {err:.2e}")
 
 
 def check_chain(rows: int, device: str, hidden: int = 7168, n1: int = 6288, n2: int = 7168,

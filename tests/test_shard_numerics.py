@@ -19,8 +19,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import fuse_tables  # noqa: E402
-
 from stepgraph.frontend import build_step  # noqa: E402
 from stepgraph.ir.graph import Graph  # noqa: E402
 from stepgraph.ir.types import eval_dim  # noqa: E402
@@ -29,14 +27,12 @@ from stepgraph.lower.ref_common import OpCall  # noqa: E402
 from stepgraph.lower.reference import REFERENCE_OPS  # noqa: E402
 from stepgraph.lower.tensors import read_view, storage_dtype, write_view  # noqa: E402
 from stepgraph.lower.weights import RandomWeights, materialize  # noqa: E402
-from stepgraph.passes.fuse import Fuse  # noqa: E402
 from stepgraph.passes.manager import CompileContext, run_pipeline  # noqa: E402
 from stepgraph.passes.pack import Pack  # noqa: E402
 from stepgraph.passes.shard import Shard  # noqa: E402
 from stepgraph.runtime.loader import rank_graph  # noqa: E402
 from stepgraph.spec import Deployment  # noqa: E402
 from stepgraph.spec_loader import load_spec  # noqa: E402
-from stepgraph.tactics import load_tables  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 BLOCK = 4
@@ -165,28 +161,19 @@ def _prompts(seed: int, count: int) -> list[list[int]]:
             for i in range(count)]
 
 
-@pytest.mark.parametrize(("model", "deployment", "epilogues"), [
-    ("tiny_k3", {"tp": 2}, False),
-    ("tiny_k3", {"tp": 2, "dcp": 2}, False),
-    ("tiny_k3", {"dep": 2}, False),
-    ("tiny_k3", {"dep": 2}, True),  # the fuse pass's epilogues on a DEP rank's graph
-    ("tiny_kimi_linear", {"tp": 4}, False),
+@pytest.mark.parametrize(("model", "deployment"), [
+    ("tiny_k3", {"tp": 2}),
+    ("tiny_k3", {"tp": 2, "dcp": 2}),
+    ("tiny_k3", {"dep": 2}),
+    ("tiny_kimi_linear", {"tp": 4}),
 ])
-def test_sharded_plan_matches_tp1(model: str, deployment: dict[str, int], epilogues: bool,
-                                  tmp_path: Path) -> None:
+def test_sharded_plan_matches_tp1(model: str, deployment: dict[str, int]) -> None:
     torch.set_num_threads(1)
     s = load_spec(MODELS / f"{model}.yaml")
     base = Deployment(batches=(1, 2, 4, 8))
     d = Deployment(batches=(1, 2, 4, 8), **deployment)
-    passes = [Shard(), Pack()]
-    ctx = CompileContext(s.model, d)
-    if epilogues:
-        passes.append(Fuse())
-        ctx.data["tactics"] = load_tables("h200", fuse_tables(tmp_path, True, True))
-    plan, _ = run_pipeline(build_step(s.model, d), passes, ctx)
-    if epilogues:
-        assert any("mix_sources" in n.attrs for n in plan)
-        assert any("router" in n.attrs for n in plan)
+    plan, _ = run_pipeline(build_step(s.model, d), [Shard(), Pack()],
+                           CompileContext(s.model, d))
     dep, dcp = d.dep, d.dcp
     n = max(d.tp, dep)
     per_rank = [_prompts(r if dep > 1 else 0, 2) for r in range(n)]

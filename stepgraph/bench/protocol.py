@@ -215,12 +215,8 @@ def touched_experts(graph: Graph, values: Mapping[str, torch.Tensor], rows: int
 
 
 def router_ids(graph: Graph) -> dict[str, str]:
-    """Each routing node's name -> the temp holding its expert ids: a router's first output,
-    a projection's second with the fuse pass's router epilogue."""
-    ids = {node.name: node.outputs[0] for node in graph if node.op == "router"}
-    ids.update({node.name: node.outputs[1] for node in graph
-                if node.op == "projection" and "router" in node.attrs})
-    return ids
+    """Each router node's name -> the temp holding its expert ids."""
+    return {node.name: node.outputs[0] for node in graph if node.op == "router"}
 
 
 def fp32_reference(graph: Graph, weights: Mapping[str, torch.Tensor],
@@ -230,22 +226,6 @@ def fp32_reference(graph: Graph, weights: Mapping[str, torch.Tensor],
     of the large ones (above :data:`UPCAST_LIMIT` elements; the values are the same)."""
     return ReferenceExecutor(graph, weights, dict(caches), device, "float32",
                              keep_dtype_above=UPCAST_LIMIT)
-
-
-def _routing_of(call: OpCall, own: list[torch.Tensor]) -> tuple[int, torch.Tensor, dict] | None:
-    """Where a node's routing is among its outputs ``own``: (the ids' index, the logits, the
-    router's attrs) of a router or of a projection with the fuse pass's router epilogue;
-    None for a node that routes nothing."""
-    if call.node.op == "router":
-        return 0, call.ins[0], call.attrs
-    route = call.attrs.get("router")
-    if call.node.op != "projection" or route is None:
-        return None
-    start, stop = route["columns"]
-    return 1, own[0][:, start:stop], route
-
-
-ROUTING_OPS = ("router", "projection")  # ops whose nodes may route (see _routing_of)
 
 
 class Routing:
@@ -268,39 +248,33 @@ class Routing:
         def router(call: OpCall) -> list[torch.Tensor]:
             own = original(call)
             forced = self.ids.get(call.node.name)
-            where = _routing_of(call, own) if forced is not None else None
-            if where is None:
+            if forced is None:
                 return own
-            at, logits, attrs = where
-            forced = forced.to(own[at].device)
+            forced = forced.to(own[0].device)
             rows = forced.shape[0]
-            mine = own[at][:rows].long().sort(-1).values
+            mine = own[0][:rows].long().sort(-1).values
             theirs = forced.long().sort(-1).values
             name = call.node.name
             flips = int((mine != theirs).any(-1).sum())
             self.flips_by_node[name] = self.flips_by_node.get(name, 0) + flips
             self.decisions += rows
-            ids = own[at].clone()
+            ids = own[0].clone()
             ids[:rows] = forced.to(ids.dtype)
-            out = list(own)
-            out[at] = ids
-            out[at + 1] = route_weights(logits, ids, attrs).to(call.out_dtypes[at + 1])
-            return out
+            weights = route_weights(call.ins[0], ids, call.attrs)
+            return [ids, weights.to(call.out_dtypes[1])]
 
         return router
 
     @contextmanager
     def forced(self, executor: ReferenceExecutor) -> Iterator[None]:
-        """Within the block, ``executor``'s routers (router nodes and projections with a
-        router epilogue) return these ids (for the rows given) with the weights the
-        reference computes for them."""
-        originals = {op: executor.ops[op] for op in ROUTING_OPS}
-        for op, original in originals.items():
-            executor.ops[op] = self._router(original)
+        """Within the block, ``executor``'s router returns these ids (for the rows given)
+        with the weights the reference computes for them."""
+        original = executor.ops["router"]
+        executor.ops["router"] = self._router(original)
         try:
             yield
         finally:
-            executor.ops.update(originals)
+            executor.ops["router"] = original
 
 
 def compiled_step(executor: ReferenceExecutor) -> Callable[[Mapping[str, torch.Tensor]],

@@ -44,67 +44,8 @@ def _shape(t: TensorType) -> str:
     return "x".join(map(str, t.shape))
 
 
-def mix_epilogue_inputs(node: Node) -> int:
-    """Where an epilogue's inputs (the AttnRes step's or the router's) start among a
-    projection's inputs: after x, the weight and the input norm's weight, when it has one."""
-    return 3 if "input_norm_eps" in node.attrs else 2
-
-
-def _mix_epilogue(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
-    """The fuse pass's AttnRes epilogue of a projection: its product is row ``mix_at`` of
-    the step's ``mix_sources`` sources and ``mix_deltas`` deltas (not among the inputs);
-    the other inputs and outputs as ``attn_res_norm``'s."""
-    a = node.attrs
-    count, deltas, at = int(a["mix_sources"]), int(a["mix_deltas"]), int(a["mix_at"])
-    first = mix_epilogue_inputs(node)
-    if not 0 <= at < count + deltas:
-        raise TypeRuleError(f"mix_at {at} is not one of the {count} sources + {deltas} deltas")
-    if len(ins) != first + count + deltas - 1 + 3:
-        raise TypeRuleError(f"{len(ins)} inputs: the projection's {first}, {count} sources and "
-                            f"{deltas} deltas but the product, query, mix norm, norm weight")
-    if len(outs) != (3 if deltas else 2):
-        raise TypeRuleError(f"{len(outs)} outputs: the product, the normed rows and, with "
-                            "deltas, the prefix sum")
-    rows = list(ins[first:first + count + deltas - 1])
-    rows.insert(at, outs[0])
-    _mix_norm(Node(node.name, "attn_res_norm", node.inputs[first:], node.outputs[1:],
-                   {"sources": count, "deltas": deltas}),
-              [*rows, *ins[first + count + deltas - 1:]], outs[1:])
-
-
-def _router_epilogue(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
-    """The fuse pass's router epilogue of a projection: ``router`` (the router's attrs with
-    ``columns`` [start, stop] of the product holding its logits) reads those columns and its
-    correction bias (the last input, when it has one), and writes ids and weights."""
-    route = node.attrs["router"]
-    start, stop = route["columns"]
-    first = mix_epilogue_inputs(node)
-    bias = 1 if route.get("correction_bias") else 0
-    if len(ins) != first + bias or len(outs) != 3:
-        raise TypeRuleError(f"{len(ins)} inputs and {len(outs)} outputs: the projection's "
-                            f"{first} (+ the router's bias) and [product, ids, weights]")
-    if not 0 <= start < stop <= outs[0].shape[-1] or stop - start != route["experts"]:
-        raise TypeRuleError(f"router columns {start}:{stop} of a product of "
-                            f"{outs[0].shape[-1]} for {route['experts']} experts")
-    logits = TensorType((outs[0].shape[0], stop - start), outs[0].dtype)
-    _router(Node(node.name, "router", node.inputs[:1], node.outputs[1:], route),
-            [logits, *ins[first:]], outs[1:])
-
-
 def _matmul(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, w = ins[0], ins[1]
-    if "mix_sources" in node.attrs and "router" in node.attrs:
-        raise TypeRuleError("an AttnRes and a router epilogue on one projection")
-    if "mix_sources" in node.attrs:
-        _mix_epilogue(node, ins, outs)
-    if "router" in node.attrs:
-        _router_epilogue(node, ins, outs)
-    if "mix_sources" in node.attrs or "router" in node.attrs:
-        outs = outs[:1]
-        ins = ins[:mix_epilogue_inputs(node)]
-    if len(outs) != 1:
-        raise TypeRuleError(f"{len(outs)} outputs: a projection writes one (more with an "
-                            "AttnRes epilogue)")
     (out,) = outs
     if not (len(x.shape) == 2 and len(w.shape) == 2):
         raise TypeRuleError("projection takes x[R,K] and w[N,K]")
@@ -340,10 +281,9 @@ OPS: dict[str, OpDef] = {
         _op("attn_res_norm", "compute",
             "fused: prefix sum += deltas, the AttnRes mix, then RMSNorm (the fuse pass)",
             _mix_norm, 4, None),
-        _op("projection", "compute", "x @ W.T over a (possibly packed) weight", _matmul, 2,
-            None),
+        _op("projection", "compute", "x @ W.T over a (possibly packed) weight", _matmul, 2),
         _op("o_proj", "compute", "the attention output projection (row-parallel at TP)",
-            _matmul, 2, None),
+            _matmul, 2),
         _op("kda_core", "compute",
             "KDA: short conv + SiLU, decay gate, L2 norm, delta rule, gated RMSNorm", _kda, 6),
         _op("mla_query", "compute",

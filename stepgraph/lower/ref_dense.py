@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from stepgraph.errors import UserError
-from stepgraph.ir.ops import mix_epilogue_inputs
 from stepgraph.lower.ref_common import OpCall, OpFn, gated_activation, linear, rms_norm
 from stepgraph.lower.tensors import storage_dtype
 
@@ -51,80 +50,40 @@ def attn_res_mix(call: OpCall) -> list[torch.Tensor]:
     return [mixed.to(call.out_dtypes[0])]
 
 
-def _mix_norm(rows: list[torch.Tensor], deltas: list[torch.Tensor],
-              weights: list[torch.Tensor], eps: float, norm_eps: float,
-              out_dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    """The prefix sum (last row + the deltas, in float32, stored in ``out_dtypes[1]``), the
-    AttnRes mix of the rows with it (rounded to ``out_dtypes[0]``), then RMSNorm: [normed,
-    prefix sum] (or [normed] without deltas)."""
-    query, norm, weight = weights
-    rows = list(rows)
-    results: list[torch.Tensor] = []
-    if deltas:
-        total = rows[-1].float()
-        for other in deltas:
-            total = total + other.float()
-        rows[-1] = total.to(out_dtypes[1])
-        results.append(rows[-1])
-    mixed = _mix(rows, query, norm, eps).to(out_dtypes[0])
-    normed = rms_norm(mixed, weight, norm_eps).to(out_dtypes[0])
-    return [normed, *results]
-
-
 def attn_res_norm(call: OpCall) -> list[torch.Tensor]:
     """The fuse pass's node: the prefix sum (last source + the deltas, summed in float32 and
     stored in the prefix's dtype), the AttnRes mix of the sources with it (rounded to the
     normed rows' dtype, where the unfused mix stored it), then RMSNorm; returns [normed,
     prefix sum] (or [normed] without deltas)."""
     count, deltas = call.attrs["sources"], call.attrs["deltas"]
-    return _mix_norm(list(call.ins[:count]), list(call.ins[count:count + deltas]),
-                     list(call.ins[count + deltas:]), call.attrs["eps"],
-                     call.attrs["norm_eps"], list(call.out_dtypes))
+    rows = list(call.ins[:count])
+    extra = call.ins[count:count + deltas]
+    query, norm, weight = call.ins[count + deltas:]
+    results: list[torch.Tensor] = []
+    if deltas:
+        total = rows[-1].float()
+        for other in extra:
+            total = total + other.float()
+        rows[-1] = total.to(call.out_dtypes[1])
+        results.append(rows[-1])
+    mixed = _mix(rows, query, norm, call.attrs["eps"]).to(call.out_dtypes[0])
+    normed = rms_norm(mixed, weight, call.attrs["norm_eps"]).to(call.out_dtypes[0])
+    return [normed, *results]
 
 
 def projection(call: OpCall) -> list[torch.Tensor]:
     """``x @ W.T`` (also o_proj and lm_head); with the fuse pass's input norm, of
-    ``rmsnorm(x)`` rounded to ``input_norm_dtype`` (where the unfused norm stored it); with
-    its AttnRes epilogue, then ``attn_res_norm`` with the product (as stored) as its row
-    ``mix_at`` (sources, then deltas): [product, normed, prefix sum if deltas]; with its
-    router epilogue, the router of the product's logits columns: [product, ids, weights]."""
+    ``rmsnorm(x)`` rounded to ``input_norm_dtype`` (where the unfused norm stored it)."""
     x, weight = call.ins[:2]
-    a = call.attrs
-    if "input_norm_eps" in a:
-        dtype = storage_dtype(a["input_norm_dtype"], call.compute)
-        x = rms_norm(x, call.ins[2], a["input_norm_eps"]).to(dtype)
-    product = linear(x, weight, call.out_dtypes[0])
-    if "router" in a:
-        start, stop = a["router"]["columns"]
-        bias = call.ins[mix_epilogue_inputs(call.node)] if a["router"].get(
-            "correction_bias") else None
-        return [product, *route(product[:, start:stop], bias, a["router"],
-                                call.out_dtypes[2])]
-    if "mix_sources" not in a:
-        return [product]
-    ins = list(call.ins[mix_epilogue_inputs(call.node):])
-    count, rows = int(a["mix_sources"]), int(a["mix_sources"]) + int(a["mix_deltas"])
-    steps = ins[:rows - 1]
-    steps.insert(int(a["mix_at"]), product)
-    return [product, *_mix_norm(steps[:count], steps[count:], ins[rows - 1:], a["mix_eps"],
-                                a["mix_norm_eps"], list(call.out_dtypes[1:]))]
-
-
-def route(logits: torch.Tensor, bias: torch.Tensor | None, attrs: dict,
-          weights_dtype: torch.dtype) -> list[torch.Tensor]:
-    """Top-k routing of ``logits`` (a router's ``attrs``): [ids int32, weights]."""
-    logits = logits.float()
-    scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
-    choice = scores
-    if attrs.get("correction_bias"):
-        choice = scores + bias.float()  # type: ignore[union-attr]
-    ids = torch.topk(choice, k=attrs["top_k"], dim=-1, sorted=False).indices
-    return [ids.to(torch.int32), route_weights(logits, ids, attrs).to(weights_dtype)]
+    if "input_norm_eps" in call.attrs:
+        dtype = storage_dtype(call.attrs["input_norm_dtype"], call.compute)
+        x = rms_norm(x, call.ins[2], call.attrs["input_norm_eps"]).to(dtype)
+    return [linear(x, weight, call.out_dtypes[0])]
 
 
 def route_weights(logits: torch.Tensor, ids: torch.Tensor, attrs: dict) -> torch.Tensor:
-    """The routing weights of ``ids``: the unbiased scores at the chosen experts,
-    renormalised and scaled (float32)."""
+    """The routing weights of ``ids`` (a router's ``attrs``): the unbiased scores at the
+    chosen experts, renormalised and scaled (float32)."""
     logits = logits.float()
     scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
     weights = scores.gather(1, ids.long())
@@ -136,8 +95,14 @@ def route_weights(logits: torch.Tensor, ids: torch.Tensor, attrs: dict) -> torch
 def router(call: OpCall) -> list[torch.Tensor]:
     """Top-k routing: sigmoid or softmax scores; the correction bias enters the selection
     only; the selected (unbiased) scores are renormalised and scaled."""
-    bias = call.ins[1] if call.attrs.get("correction_bias") else None
-    return route(call.ins[0], bias, call.attrs, call.out_dtypes[1])
+    attrs = call.attrs
+    logits = call.ins[0].float()
+    scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
+    choice = scores
+    if attrs.get("correction_bias"):
+        choice = scores + call.ins[1].float()
+    ids = torch.topk(choice, k=attrs["top_k"], dim=-1, sorted=False).indices
+    return [ids.to(torch.int32), route_weights(logits, ids, attrs).to(call.out_dtypes[1])]
 
 
 def routed_experts(call: OpCall) -> list[torch.Tensor]:

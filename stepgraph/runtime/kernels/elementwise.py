@@ -1,10 +1,10 @@
 """Triton kernels of the small fused ops: the token embedding (a program per row and column
-block), RMSNorm (one program a row), the residual add (a
-program per row and column block), the AttnRes mix (two launches spread over rows x sources,
-then rows x column blocks), and the fuse pass's prefix-sum + mix + RMSNorm (one launch, one
-program a row); float32 math, written in the output's dtype through its row
-stride. Kernels load their weights before ``gdc_wait()`` where they can and let their
-dependents launch right after it (PDL)."""
+block), RMSNorm (one program a row), the residual add (a program per row and column
+block), the AttnRes mix (two launches spread over rows x sources, then rows x column
+blocks), and the fuse pass's prefix-sum + mix + RMSNorm (one launch, one program a row);
+float32 math, written in the output's dtype through its row stride. Kernels load their
+weights before ``gdc_wait()`` where they can and let their dependents launch right after
+it (PDL)."""
 
 from __future__ import annotations
 
@@ -140,32 +140,25 @@ def _mix_sum_kernel(srcs, strides, logits_ptr, out_ptr, H, stride_or,
 
 
 @triton.jit
-def _load_row(ptr, offs, mask, CG: tl.constexpr):
-    """A row segment in float32 (``CG``: through L2, ``.cg``: other programs of this launch
-    wrote it, so L1 may hold a stale line)."""
-    if CG:
-        return tl.load(ptr + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr, offs, mask,
-                N_SRC: tl.constexpr, N_DELTA: tl.constexpr, CG: tl.constexpr = False):
+                N_SRC: tl.constexpr, N_DELTA: tl.constexpr):
     """Columns ``offs`` of the row's last source plus its deltas, in float32: with deltas the
     sum is stored to ``prefix`` in its dtype and returned as stored; else the last source."""
-    last = _load_row(srcs[N_SRC - 1] + row * strides[N_SRC - 1], offs, mask, CG)
+    last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + offs, mask=mask,
+                   other=0.0).to(tl.float32)
     return _add_deltas(last, deltas, delta_strides, prefix_ptr, row, stride_pr, offs, mask,
-                       N_DELTA, CG)
+                       N_DELTA)
 
 
 @triton.jit
 def _add_deltas(last, deltas, delta_strides, prefix_ptr, row, stride_pr, offs, mask,
-                N_DELTA: tl.constexpr, CG: tl.constexpr = False):
+                N_DELTA: tl.constexpr):
     """``last`` (float32) plus the row's deltas at columns ``offs``: with deltas the sum is
     stored to ``prefix`` in its dtype and returned as stored; else ``last``."""
     if N_DELTA > 0:
         for j in tl.static_range(N_DELTA):
-            last += _load_row(deltas[j] + row * delta_strides[j], offs, mask, CG)
+            d = tl.load(deltas[j] + row * delta_strides[j] + offs, mask=mask, other=0.0)
+            last += d.to(tl.float32)
         stored = last.to(prefix_ptr.dtype.element_ty)
         tl.store(prefix_ptr + row * stride_pr + offs, stored, mask=mask)
         last = stored.to(tl.float32)
@@ -173,10 +166,10 @@ def _add_deltas(last, deltas, delta_strides, prefix_ptr, row, stride_pr, offs, m
 
 
 @triton.jit
-def mix_norm_sweeps(row, srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
-                    prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps,
-                    N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
-                    CHUNK: tl.constexpr, STAGES: tl.constexpr, CG: tl.constexpr):
+def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
+                     prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps,
+                     N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
+                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr):
     """One row of the fused AttnRes step, in three sweeps over column chunks of the row:
     (1) prefix = srcs[-1] + sum(deltas), stored, and every source's query dot and square
     sum, accumulated per column in an [S_PAD, CHUNK] tile and reduced once; the softmax
@@ -184,11 +177,14 @@ def mix_norm_sweeps(row, srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     of reducing again; (2) the weighted sum, stored in the output's dtype (where the unfused
     mix stored it) with its square sum; (3) RMSNorm of the stored mix with ``w``. CTA
     barriers make the stored prefix, weights and mix visible to the threads rereading
-    them. ``CG``: the sources and deltas were written by other programs of this launch
-    (a projection's epilogue), so they are read through L2."""
+    them."""
+    row = tl.program_id(0)
     cols = tl.arange(0, CHUNK)
     idx = tl.arange(0, S_PAD)
     sel = idx[:, None]
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     dot2 = tl.zeros([S_PAD, CHUNK], dtype=tl.float32)
     square2 = tl.zeros([S_PAD, CHUNK], dtype=tl.float32)
     for start in tl.range(0, H, CHUNK, num_stages=STAGES):
@@ -198,11 +194,11 @@ def mix_norm_sweeps(row, srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
         nq = (tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
               * tl.load(n_ptr + offs, mask=mask, other=0.0).to(tl.float32))
         last = _prefix_sum(srcs, strides, deltas, delta_strides, prefix_ptr, row, stride_pr,
-                           offs, mask, N_SRC, N_DELTA, CG)
+                           offs, mask, N_SRC, N_DELTA)
         dot2 += tl.where(sel == N_SRC - 1, last * nq, 0.0)
         square2 += tl.where(sel == N_SRC - 1, last * last, 0.0)
         for i in tl.static_range(N_SRC - 1):
-            v = _load_row(srcs[i] + row * strides[i], offs, mask, CG)
+            v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0).to(tl.float32)
             dot2 += tl.where(sel == i, v * nq, 0.0)
             square2 += tl.where(sel == i, v * v, 0.0)
     dots = tl.sum(dot2, 1)
@@ -218,10 +214,11 @@ def mix_norm_sweeps(row, srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
         if N_DELTA > 0:
             last = tl.load(prefix_ptr + row * stride_pr + offs, mask=mask, other=0.0)
         else:
-            last = _load_row(srcs[N_SRC - 1] + row * strides[N_SRC - 1], offs, mask, CG)
+            last = tl.load(srcs[N_SRC - 1] + row * strides[N_SRC - 1] + offs, mask=mask,
+                           other=0.0)
         acc = tl.load(probs_ptr + row * S_PAD + N_SRC - 1) * last.to(tl.float32)
         for i in tl.static_range(N_SRC - 1):
-            v = _load_row(srcs[i] + row * strides[i], offs, mask, CG)
+            v = tl.load(srcs[i] + row * strides[i] + offs, mask=mask, other=0.0).to(tl.float32)
             acc += tl.load(probs_ptr + row * S_PAD + i) * v
         mixed = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * stride_or + offs, mixed, mask=mask)
@@ -236,20 +233,6 @@ def mix_norm_sweeps(row, srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_or + offs, (m * scale * w).to(out_ptr.dtype.element_ty),
                  mask=mask)
-
-
-@triton.jit
-def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
-                     prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps,
-                     N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
-                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr):
-    """One row of the fused AttnRes step in column sweeps (:func:`mix_norm_sweeps`)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    mix_norm_sweeps(tl.program_id(0), srcs, strides, deltas, delta_strides, q_ptr, n_ptr,
-                    w_ptr, out_ptr, prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps,
-                    norm_eps, N_SRC, N_DELTA, S_PAD, CHUNK, STAGES, False)
 
 
 @triton.jit

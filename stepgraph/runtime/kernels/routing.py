@@ -1,7 +1,5 @@
-"""The MoE router in Triton: scores (sigmoid or softmax), the biased top-k, renormalised and
-scaled weights. :func:`top_k_store` works on loaded logits, so that both the router launch
-(:class:`Router`, one program a row) and the GEMV's router epilogue
-(:mod:`stepgraph.runtime.kernels.splitk_gemm`) run it."""
+"""The MoE router in Triton (:class:`Router`, one program a row): scores (sigmoid or
+softmax), the biased top-k, renormalised and scaled weights."""
 
 from __future__ import annotations
 
@@ -14,13 +12,24 @@ from stepgraph.runtime.kernels.launch_utils import next_pow2, pdl_allowed
 
 
 @triton.jit
-def top_k_store(logits, bias, ids_ptr, wts_ptr, row, E, TOPK, stride_ir, stride_ij, stride_wr,
-                stride_wj, scaling, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                SOFTMAX: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
-    """The router's choice for one row of loaded ``logits`` [E_PAD] (-inf past E) and
-    ``bias``: its ids and weights stored (see :func:`_router_kernel`)."""
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, E, TOPK,
+                   stride_lr, stride_le, stride_ir, stride_ij, stride_wr, stride_wj,
+                   scaling,
+                   E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row: scores (sigmoid or softmax), top-k of ``scores + bias`` (largest first, the
+    lowest id among ties), the unbiased scores of the chosen, renormalised and scaled."""
+    row = tl.program_id(0)
     offs = tl.arange(0, E_PAD)
     valid = offs < E
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    logits = tl.load(logits_ptr + row * stride_lr + offs * stride_le, mask=valid,
+                     other=float("-inf")).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if SOFTMAX:
         top = tl.max(logits, 0)
         ex = tl.where(valid, tl.exp(logits - top), 0.0)
@@ -47,30 +56,6 @@ def top_k_store(logits, bias, ids_ptr, wts_ptr, row, E, TOPK, stride_ir, stride_
     k_ok = ks < TOPK
     tl.store(ids_ptr + row * stride_ir + ks * stride_ij, chosen, mask=k_ok)
     tl.store(wts_ptr + row * stride_wr + ks * stride_wj, weights, mask=k_ok)
-
-
-@triton.jit
-def _router_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, E, TOPK,
-                   stride_lr, stride_le, stride_ir, stride_ij, stride_wr, stride_wj,
-                   scaling,
-                   E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr):
-    """One row: scores (sigmoid or softmax), top-k of ``scores + bias`` (largest first, the
-    lowest id among ties), the unbiased scores of the chosen, renormalised and scaled."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, E_PAD)
-    valid = offs < E
-    bias = tl.zeros([E_PAD], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-    logits = tl.load(logits_ptr + row * stride_lr + offs * stride_le, mask=valid,
-                     other=float("-inf")).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    top_k_store(logits, bias, ids_ptr, wts_ptr, row, E, TOPK, stride_ir, stride_ij, stride_wr,
-                stride_wj, scaling, E_PAD, K_PAD, SOFTMAX, HAS_BIAS, RENORM)
 
 
 class Router:

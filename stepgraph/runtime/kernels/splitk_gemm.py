@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from stepgraph.errors import UserError
-from stepgraph.runtime.kernels.elementwise import AttnResNorm, RmsNorm, mix_norm_sweeps
+from stepgraph.runtime.kernels.elementwise import RmsNorm
 from stepgraph.runtime.kernels.launch_utils import (
     dot_in_f32,
     interpreting,
@@ -34,7 +34,6 @@ from stepgraph.runtime.kernels.launch_utils import (
     scratch,
     tile_width,
 )
-from stepgraph.runtime.kernels.routing import Router, top_k_store
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use (H100/H200: 227 KB)
 REDUCE_BLOCK = 1024
@@ -175,24 +174,25 @@ def _w_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K: tl.const
 
 
 @triton.jit
+def _gemv_step(acc, squares, w, x, g, NORM: tl.constexpr):
+    """One weight chunk's products added to ``acc`` (``NORM``: x's squares summed and x
+    scaled by the norm weight's chunk ``g`` first)."""
+    xf = x.to(tl.float32)
+    if NORM:
+        squares += xf * xf
+        xf = xf * g.to(tl.float32)
+    return acc + w.to(tl.float32) * xf[None, :], squares
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                  R, N, K, chunks_per_split,
                  stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
                  g_ptr, eps,
-                 row_sem_ptr,
-                 mix_srcs, mix_strides, mix_deltas, mix_delta_strides, mix_q_ptr, mix_n_ptr,
-                 mix_w_ptr, mix_out_ptr, mix_prefix_ptr, mix_probs_ptr,
-                 mix_stride_or, mix_stride_pr, mix_eps, mix_norm_eps,
-                 rt_bias_ptr, rt_ids_ptr, rt_wts_ptr, rt_start, rt_experts, rt_top_k,
-                 rt_stride_ir, rt_stride_ij, rt_stride_wr, rt_stride_wj, rt_scaling,
                  BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, DEPTH: tl.constexpr,
                  STAGED: tl.constexpr,
                  SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr,
-                 USE_PDL: tl.constexpr, NORM: tl.constexpr, MIX: tl.constexpr,
-                 MIX_SRC: tl.constexpr, MIX_DELTA: tl.constexpr, MIX_PAD: tl.constexpr,
-                 MIX_CHUNK: tl.constexpr, ROUTE: tl.constexpr, RT_E_PAD: tl.constexpr,
-                 RT_K_PAD: tl.constexpr, RT_SOFTMAX: tl.constexpr, RT_BIAS: tl.constexpr,
-                 RT_RENORM: tl.constexpr):
+                 USE_PDL: tl.constexpr, NORM: tl.constexpr):
     """Partial (or whole) ``x[row] @ w.T`` of one weight tile and K split, for one batch row,
     without the MMA: products accumulate in float32 registers, reduced once at the end.
 
@@ -207,14 +207,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     32). Each row of a bin re-reads the weights (through L2), so tables
     give this form to one-row bins. ``NORM`` (one split): the rows are RMS-normalized with
     weight ``g`` on the way: each chunk of x is scaled by g's chunk and its squares summed,
-    and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end.
-
-    Epilogues of the fuse pass (one split; they run in the last program of each row to
-    store its tile: a counter per row in ``row_sem_ptr``, left at zero again): ``MIX``, the
-    AttnRes step whose row the output is (``mix_*``: sources and deltas with this output
-    among them), in column sweeps (:func:`mix_norm_sweeps`, one stage: no shared-memory
-    staging); ``ROUTE``, the router of the output's columns ``rt_start`` ..
-    ``rt_start + rt_experts`` (float32 logits; ``rt_*``), into ids and weights."""
+    and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end."""
     pid_w = tl.program_id(0)
     pid_s = tl.program_id(1)
     row = tl.program_id(2)
@@ -237,37 +230,32 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     kx = k_lo + offs_k
     x0 = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
     acc = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
+    squares = tl.zeros([CHUNK_K], dtype=tl.float32)  # of x, for NORM
+    g0 = x0
     if NORM:
         g0 = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
-        squares = tl.zeros([CHUNK_K], dtype=tl.float32)
     if STAGED > 1:
-        xf = x0.to(tl.float32)
-        if NORM:
-            squares += xf * xf
-            xf = xf * g0.to(tl.float32)
-        acc += w0.to(tl.float32) * xf[None, :]
+        acc, squares = _gemv_step(acc, squares, w0, x0, g0, NORM)
         for i in tl.range(1, chunks, num_stages=STAGED):
             w_i = _w_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
             kx = k_lo + i * CHUNK_K + offs_k
-            xf = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0).to(tl.float32)
+            x_i = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
+            g_i = x_i
             if NORM:
-                squares += xf * xf
-                xf = xf * tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0).to(tl.float32)
-            acc += w_i.to(tl.float32) * xf[None, :]
+                g_i = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
+            acc, squares = _gemv_step(acc, squares, w_i, x_i, g_i, NORM)
     else:
         for i in range(0, chunks):
             w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk,
                              CHUNK_K)
             kx = k_lo + (i + 1) * CHUNK_K + offs_k
             x_new = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
-            xf = x0.to(tl.float32)
+            g_new = x_new
             if NORM:
                 g_new = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
-                squares += xf * xf
-                xf = xf * g0.to(tl.float32)
-                g0 = g_new
-            acc += w0.to(tl.float32) * xf[None, :]
+            acc, squares = _gemv_step(acc, squares, w0, x0, g0, NORM)
             x0 = x_new
+            g0 = g_new
             if DEPTH == 2:
                 w0 = w_new
             elif DEPTH == 3:
@@ -284,30 +272,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     _store_tile(part, offs_w, offs_r, w_rows, offs_r < R, pid_s,
                 row * tl.num_programs(0) + pid_w, out_ptr, ws_ptr, sem_ptr, R, N,
                 stride_or, stride_on, SPLIT, FUSED, FENCE)
-    if MIX or ROUTE:
-        if FENCE:
-            gpu_fence(offs_w)
-        tl.debug_barrier()
-        done = tl.atomic_add(row_sem_ptr + row, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:  # every tile of this row is stored
-            if MIX:
-                mix_norm_sweeps(row, mix_srcs, mix_strides, mix_deltas, mix_delta_strides,
-                                mix_q_ptr, mix_n_ptr, mix_w_ptr, mix_out_ptr, mix_prefix_ptr,
-                                mix_probs_ptr, N, mix_stride_or, mix_stride_pr, mix_eps,
-                                mix_norm_eps, MIX_SRC, MIX_DELTA, MIX_PAD, MIX_CHUNK, 1, True)
-            if ROUTE:
-                e = tl.arange(0, RT_E_PAD)
-                valid = e < rt_experts
-                bias = tl.zeros([RT_E_PAD], dtype=tl.float32)
-                if RT_BIAS:
-                    bias = tl.load(rt_bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-                logits = tl.load(out_ptr + row * stride_or + (rt_start + e) * stride_on,
-                                 mask=valid, other=float("-inf"), cache_modifier=".cg")
-                top_k_store(logits.to(tl.float32), bias, rt_ids_ptr, rt_wts_ptr, row,
-                            rt_experts, rt_top_k, rt_stride_ir, rt_stride_ij, rt_stride_wr,
-                            rt_stride_wj, rt_scaling, RT_E_PAD, RT_K_PAD, RT_SOFTMAX, RT_BIAS,
-                            RT_RENORM)
-            tl.atomic_xchg(row_sem_ptr + row, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -378,7 +342,7 @@ class SplitKPlan:
     pre: int
     grid: tuple[int, int, int]
     gemv: bool = False
-    staged: int = 0  # GEMV form: the shared-memory loop pipeline's depth (0: registers only)
+    staged: int = 0  # GEMV form: the shared-memory loop pipeline's depth (< 2: registers only)
 
 
 def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
@@ -409,8 +373,7 @@ def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
     split = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, block_w), split, triton.cdiv(rows, block_r))
     return SplitKPlan(block_w, block_r, block_k, split, k_per_split, stages,
-                      max(1, tactic.warps), max(1, min(2, tactic.pre)), grid, gemv,
-                      staged if staged > 1 else 0)
+                      max(1, tactic.warps), max(1, min(2, tactic.pre)), grid, gemv, staged)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -423,57 +386,6 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
                         f"w {list(w.shape)}.T -> out {list(out.shape)}")
     if len({x.device, w.device, out.device}) != 1:
         raise UserError("split-K GEMM: x, w and out must be on one device")
-
-
-@dataclass(frozen=True)
-class MixEpilogue:
-    """The AttnRes step a GEMM's output is a row of (the fuse pass's epilogue): ``rows``,
-    its ``sources`` sources and then its deltas, with the GEMM's output among them (the
-    caller puts it there); ``query``, ``mix_norm`` and the norm ``weight`` [N]; the
-    ``normed`` rows and the ``prefix`` sum (None without deltas) it writes;
-    ``pre_sources``: a launch of its own may read the sources before its PDL wait (none is
-    the GEMM's output)."""
-
-    rows: tuple[torch.Tensor, ...]
-    sources: int
-    query: torch.Tensor
-    mix_norm: torch.Tensor
-    weight: torch.Tensor
-    normed: torch.Tensor
-    prefix: torch.Tensor | None
-    eps: float
-    norm_eps: float
-    pre_sources: bool = False
-
-    def launch(self, pdl: bool) -> AttnResNorm:
-        """The step as a launch of its own (after the GEMM's)."""
-        return AttnResNorm(self.rows[:self.sources], self.rows[self.sources:], self.query,
-                           self.mix_norm, self.weight, self.normed, self.prefix, self.eps,
-                           self.norm_eps, pdl=pdl, pre_sources=self.pre_sources)
-
-
-@dataclass(frozen=True)
-class RouterEpilogue:
-    """The router of a GEMM output's logits columns (the fuse pass's epilogue): its
-    ``experts`` columns from ``start``, the correction ``bias`` (None without one), the
-    ``ids`` and ``weights`` [R, top_k] it writes, and the router's ``score``,
-    ``renormalize`` and ``scaling``."""
-
-    start: int
-    experts: int
-    bias: torch.Tensor | None
-    ids: torch.Tensor
-    weights: torch.Tensor
-    top_k: int
-    score: str
-    renormalize: bool
-    scaling: float
-
-    def launch(self, out: torch.Tensor, pdl: bool) -> Router:
-        """The router as a launch of its own over ``out``'s logits columns."""
-        return Router(out[:, self.start:self.start + self.experts], self.bias, self.ids,
-                      self.weights, top_k=self.top_k, score=self.score,
-                      renormalize=self.renormalize, scaling=self.scaling, pdl=pdl)
 
 
 @dataclass(frozen=True)
@@ -490,13 +402,10 @@ class SplitKGemm:
     """A prepared ``out = x @ w.T`` (all three bound once); calling it enqueues the launch
     (one kernel, two with split > 1) on the current stream. Capturable. With ``norm``, of
     ``rmsnorm(x)``: inside the GEMV form with one split, else an RMSNorm launch into a
-    scratch buffer first. With ``mix``, then the AttnRes step ``out`` is a row of; with
-    ``route``, the router of ``out``'s logits columns: inside the GEMV form with one split
-    (its last program of each row), else a launch after."""
+    scratch buffer first."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                 tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None,
-                 mix: MixEpilogue | None = None, route: RouterEpilogue | None = None
+                 tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None
                  ) -> None:
         _check(x, w, out)
         rows, k = x.shape
@@ -523,22 +432,6 @@ class SplitKGemm:
         if self.fused:
             tiles = self.plan.grid[0] * self.plan.grid[2]
             self.sem = scratch(out.device, "splitk_sem", tiles, torch.int32, zeroed=True)
-        # epilogues: inside the one-split GEMV, else launches of their own after it
-        inside = self.plan.gemv and self.plan.split == 1
-        self.after: list[Any] = []
-        self.mix_step = self.route_step = None
-        if mix is not None:  # the prepared step: its checks, block sizes, probs scratch
-            self.mix_step = mix.launch(pdl)
-        if route is not None:
-            self.route_step = route.launch(out, pdl)
-        if not inside:
-            self.after = [s for s in (self.mix_step, self.route_step) if s is not None]
-            self.mix_step = self.route_step = None
-        self.row_sem = out
-        if self.mix_step is not None or self.route_step is not None:
-            self.row_sem = scratch(out.device, "splitk_row_sem", rows, torch.int32,
-                                   zeroed=True)
-        self.route_start = route.start if route is not None else 0
 
     def __call__(self) -> None:
         """Enqueue the launch(es)."""
@@ -555,10 +448,9 @@ class SplitKGemm:
         if p.gemv:
             norm = self.norm
             _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
-                                 self.row_sem, *self._mix_args(), *self._route_args(),
                                  BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
                                  STAGED=p.staged, NORM=norm is not None, num_stages=1,
-                                 **self._mix_shape(), **self._route_shape(), **common)
+                                 **common)
         else:
             _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,
                                    BLOCK_K=p.block_k, PRE=p.pre,
@@ -570,47 +462,6 @@ class SplitKGemm:
                 self.ws, out, self.rows, self.n, out.stride(0), out.stride(1),
                 SPLIT=p.split, BLOCK=REDUCE_BLOCK, USE_PDL=self.pdl, num_warps=4,
                 launch_pdl=self.pdl)
-        for launch in self.after:
-            launch()
-
-    def _mix_args(self) -> tuple[Any, ...]:
-        """The GEMV's AttnRes epilogue arguments (stand-ins it never reads without one)."""
-        step = self.mix_step
-        if step is None:
-            out = self.out
-            return ((out,), (0,), (out,), (0,), out, out, out, out, out, out, 0, 0, 0.0, 0.0)
-        return (step.sources, step.strides, step.deltas, step.delta_strides, step.query,
-                step.mix_norm, step.weight, step.out, step.prefix, step.probs,
-                step.out.stride(0), step.prefix.stride(0), step.eps, step.norm_eps)
-
-    def _mix_shape(self) -> dict[str, Any]:
-        """The GEMV's AttnRes epilogue constants."""
-        step = self.mix_step
-        if step is None:
-            return dict(MIX=False, MIX_SRC=1, MIX_DELTA=0, MIX_PAD=2, MIX_CHUNK=16)
-        return dict(MIX=True, MIX_SRC=len(step.sources), MIX_DELTA=step.n_delta,
-                    MIX_PAD=step.s_pad, MIX_CHUNK=step.chunk)
-
-    def _route_args(self) -> tuple[Any, ...]:
-        """The GEMV's router epilogue arguments (stand-ins it never reads without one)."""
-        step = self.route_step
-        if step is None:
-            out = self.out
-            return (out, out, out, 0, 0, 0, 0, 0, 0, 0, 1.0)
-        ids, weights = step.ids, step.weights
-        return (step.bias if step.bias is not None else weights, ids, weights,
-                self.route_start, step.experts, step.top_k, ids.stride(0), ids.stride(1),
-                weights.stride(0), weights.stride(1), float(step.scaling))
-
-    def _route_shape(self) -> dict[str, Any]:
-        """The GEMV's router epilogue constants."""
-        step = self.route_step
-        if step is None:
-            return dict(ROUTE=False, RT_E_PAD=2, RT_K_PAD=2, RT_SOFTMAX=False, RT_BIAS=False,
-                        RT_RENORM=False)
-        return dict(ROUTE=True, RT_E_PAD=step.e_pad, RT_K_PAD=step.k_pad,
-                    RT_SOFTMAX=step.softmax, RT_BIAS=step.bias is not None,
-                    RT_RENORM=bool(step.renorm))
 
 
 def splitk_gemm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,

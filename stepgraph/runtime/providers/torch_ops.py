@@ -229,43 +229,17 @@ def input_norm_launch(ctx: PrepareContext, x: torch.Tensor, weight: torch.Tensor
 def _cublas_projection(ctx: PrepareContext) -> Launch:
     check_one_rank(ctx.node)
     x, w = ctx.inputs()[:2]
-    out = ctx.outputs()[0]
-    step = None
-    if "mix_sources" in ctx.node.attrs or "router" in ctx.node.attrs:
-        step = _epilogue_after(ctx)  # the fuse pass's: its Triton launch after the product
-        if step is None:
-            return reference_launch(ctx, ref_dense.projection)
+    (out,) = ctx.outputs()
     if "input_norm_eps" not in ctx.node.attrs:
-        normed, norm_launch = x, None
-    else:
-        normed, norm_launch = input_norm_launch(ctx, x, ctx.inputs()[2])
+        return matmul_launch(x, w, out, lambda: linear(x, w, out.dtype))
+    normed, norm_launch = input_norm_launch(ctx, x, ctx.inputs()[2])
     product = matmul_launch(normed, w, out, lambda: linear(normed, w, out.dtype))
-    if norm_launch is None and step is None:
-        return product
 
     def launch() -> None:
-        if norm_launch is not None:
-            norm_launch()
+        norm_launch()
         product()
-        if step is not None:
-            step()
 
     return launch
-
-
-def _epilogue_after(ctx: PrepareContext) -> Launch | None:
-    """A projection node's epilogue (AttnRes step or router) as a Triton launch after the
-    product, on a CUDA device where Triton imports; else None."""
-    if ctx.device.type != "cuda":
-        return None
-    try:
-        from stepgraph.runtime.providers.triton_dense import mix_epilogue, router_epilogue
-    except ImportError:
-        return None
-    mix, route = mix_epilogue(ctx), router_epilogue(ctx)
-    if mix is not None:
-        return mix.launch(ctx.pdl)
-    return route.launch(ctx.outputs()[0], ctx.pdl) if route is not None else None
 
 
 for _op in ("projection", "o_proj", "lm_head"):

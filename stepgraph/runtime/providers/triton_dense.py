@@ -1,5 +1,5 @@
 """Triton providers of the dense ops: ``splitk`` for projection / o_proj (the split-K skinny
-GEMM with the bin's tactic, with the fuse pass's input norm and AttnRes epilogue) and for
+GEMM with the bin's tactic, with the fuse pass's input norm) and for
 the gated MLPs (shared_expert, dense_mlp: two split-K GEMMs around the gated activation,
 all with PDL), ``triton`` for embed, rmsnorm, add, attn_res_mix, attn_res_norm and router.
 
@@ -14,69 +14,25 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from stepgraph.ir.ops import mix_epilogue_inputs
 from stepgraph.runtime.kernels.activation import gated_activation
 from stepgraph.runtime.kernels.elementwise import Add, AttnResMix, AttnResNorm, Embed, RmsNorm
 from stepgraph.runtime.kernels.launch_utils import scratch
 from stepgraph.runtime.kernels.routing import Router
-from stepgraph.runtime.kernels.splitk_gemm import (
-    InputNorm,
-    MixEpilogue,
-    RouterEpilogue,
-    SplitKGemm,
-    SplitKTactic,
-)
+from stepgraph.runtime.kernels.splitk_gemm import InputNorm, SplitKGemm, SplitKTactic
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
 from stepgraph.runtime.providers.torch_ops import input_norm_dtype
 
 
-def mix_epilogue(ctx: PrepareContext) -> MixEpilogue | None:
-    """The AttnRes epilogue of a projection node (the fuse pass's), over its bound tensors
-    with the product put among the step's rows; None without one. As a launch of its own
-    the step loads its sources before its PDL wait when the pdl pass marks them readable
-    before the projection's (the product not among them), as ``attn_res_norm`` does."""
-    attrs = ctx.node.attrs
-    if "mix_sources" not in attrs:
-        return None
-    first = mix_epilogue_inputs(ctx.node)
-    ins, outs = ctx.inputs()[first:], ctx.outputs()
-    count, deltas, at = int(attrs["mix_sources"]), int(attrs["mix_deltas"]), int(attrs["mix_at"])
-    rows = list(ins[:count + deltas - 1])
-    rows.insert(at, outs[0])
-    query, mix_norm, weight = ins[count + deltas - 1:]
-    sources = ctx.node.inputs[first:first + count - (at < count)]
-    early = at >= count and all(name in ctx.pre_wait for name in sources)
-    return MixEpilogue(tuple(rows), count, query, mix_norm, weight, outs[1],
-                       outs[2] if deltas else None, float(attrs["mix_eps"]),
-                       float(attrs["mix_norm_eps"]), pre_sources=early)
-
-
-def router_epilogue(ctx: PrepareContext) -> RouterEpilogue | None:
-    """The router epilogue of a projection node (the fuse pass's) over its bound tensors;
-    None without one."""
-    route = ctx.node.attrs.get("router")
-    if route is None:
-        return None
-    start, stop = route["columns"]
-    bias = ctx.inputs()[mix_epilogue_inputs(ctx.node)] if route.get("correction_bias") else None
-    _, ids, weights = ctx.outputs()
-    return RouterEpilogue(int(start), int(stop) - int(start), bias, ids, weights,
-                          int(route["top_k"]), route["score"], bool(route.get("renormalize")),
-                          float(route.get("scaling_factor", 1.0)))
-
-
 def _projection(ctx: PrepareContext) -> Launch:
     """``out = x @ W.T`` by the split-K skinny GEMM with the bin's tactic (of the rows'
-    RMSNorm when the fuse pass gave the node an input norm; then its AttnRes step or its
-    router when it gave it that epilogue)."""
+    RMSNorm when the fuse pass gave the node an input norm)."""
     x, weight = ctx.inputs()[:2]
-    out = ctx.outputs()[0]
+    (out,) = ctx.outputs()
     tactic = SplitKTactic.from_mapping(ctx.tactic, x.shape[0])
     attrs = ctx.node.attrs
     norm = (InputNorm(ctx.inputs()[2], float(attrs["input_norm_eps"]),
                       input_norm_dtype(attrs, weight)) if "input_norm_eps" in attrs else None)
-    return SplitKGemm(x, weight, out, tactic, pdl=ctx.pdl, norm=norm, mix=mix_epilogue(ctx),
-                      route=router_epilogue(ctx))
+    return SplitKGemm(x, weight, out, tactic, pdl=ctx.pdl, norm=norm)
 
 
 register("projection", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)

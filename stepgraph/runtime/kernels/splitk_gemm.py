@@ -250,10 +250,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                              CHUNK_K)
             kx = k_lo + (i + 1) * CHUNK_K + offs_k
             x_new = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
+            xf = x0.to(tl.float32)  # converted before g's load: the order the benches ran
             g_new = x_new
             if NORM:
                 g_new = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
-            acc, squares = _gemv_step(acc, squares, w0, x0, g0, NORM)
+            acc, squares = _gemv_step(acc, squares, w0, xf, g0, NORM)
             x0 = x_new
             g0 = g_new
             if DEPTH == 2:

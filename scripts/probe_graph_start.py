@@ -27,10 +27,10 @@ from stepgraph.runtime.side_stream import fork, join
 WIDTH = 7168
 
 
-def _chain(dev: torch.device, length: int, fork_after: int | None, branch: int = 3,
+def _chain(dev: torch.device, length: int, fork_after: tuple[int, ...], branch: int = 3,
            join_after: int = 6) -> Callable[[], None]:
-    """``length`` RMSNorms in a chain (PDL); with ``fork_after``, ``branch`` more on the
-    side stream forked after that launch, joined before launch ``fork_after + join_after``."""
+    """``length`` RMSNorms in a chain (PDL); after each launch in ``fork_after``, ``branch``
+    more on the side stream, joined before launch ``fork point + join_after``."""
     rows = [torch.randn(1, WIDTH, device=dev, dtype=torch.bfloat16) for _ in range(length + 1)]
     side_rows = [torch.randn(1, WIDTH, device=dev, dtype=torch.bfloat16)
                  for _ in range(branch + 1)]
@@ -45,10 +45,10 @@ def _chain(dev: torch.device, length: int, fork_after: int | None, branch: int =
 
     def run() -> None:
         for i, launch in enumerate(main):
-            if fork_after is not None and i == fork_after + join_after:
+            if i - join_after in fork_after:
                 join(dev)
             launch()
-            if fork_after is not None and i == fork_after:
+            if i in fork_after:
                 fork(dev, branch_launches)
         join(dev)
 
@@ -103,8 +103,9 @@ def main() -> int:
         print("error: this probe needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    forms = {"one chain": None, "fork after kernel 0": 0, "fork after kernel 1": 1,
-             "fork after kernel 5": 5, "fork after kernel 20": 20}
+    forms = {"one chain": (), "fork after kernel 0": (0,), "fork after kernel 1": (1,),
+             "fork after kernel 5": (5,), "fork after kernel 20": (20,),
+             "3 forks (5, 15, 25)": (5, 15, 25), "6 forks (every 6th)": (0, 6, 12, 18, 24, 30)}
     print(f"{'graph':<24} {'k0 end -> k1 start us':>22} {'-> k2 start us':>15} {'replay us':>10}")
     for name, at in forms.items():
         graph = _captured(_chain(dev, args.chain, at), dev)

@@ -516,6 +516,8 @@ GPU_CASES = [
     dict(heads=12, requests=8, q_len=2, max_context=2048),
     dict(heads=96, requests=4, max_context=4096, dcp=True, padded=2),
     dict(heads=12, requests=16, max_context=4096, tactic={"split": 1}),
+    dict(heads=12, requests=1, contexts=[4095], tactic={"split": 128}),  # the H200 table's
+    dict(heads=96, requests=1, contexts=[4096], tactic={"split": 128}),  # one-row split
     dict(heads=96, requests=2, contexts=[4000, 1500], dsa=(32, 128, 2048)),
     dict(heads=12, requests=16, max_context=4096, padded=2, dsa=(32, 128, 2048)),
     dict(heads=12, requests=4, q_len=2, max_context=4096, dsa=(32, 128, 2048),

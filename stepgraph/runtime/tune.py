@@ -88,9 +88,7 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
     ``quick``); n_tile = the rows (8..64). At one row also the GEMV form (n_tile 1, 16 KB
     chunks): m_tile 4 / 8 / 16 / 32 (8 / 16 when ``quick``), split 1 / 2 / 4, 2 or 3 chunks
     in flight (2 when ``quick``), 4 or 8 warps (8 when ``quick``), as
-    ``[m_tile, 1, split, chunks, 0, warps]``, and with one split and 8 warps the chunks
-    through a shared-memory pipeline 3, 4 or 6 deep (4 when ``quick``), m_tile 8 / 16 / 32
-    (16 / 32), as ``[m_tile, 1, 1, 2, 0, 8, smem]``. Launches timed alone back to back
+    ``[m_tile, 1, split, chunks, 0, warps]``. Launches timed alone back to back
     favour 3 chunks; inside the step 2 measured faster (docs/perf.md): check a table in the
     step."""
     n_tile = max(8, min(64, 1 << max(0, (rows - 1).bit_length())))
@@ -109,9 +107,6 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
                 for depth in ((2,) if quick else (2, 3)):
                     for warps in ((8,) if quick else (4, 8)):
                         out.append((m_tile, 1, split, depth, 0, warps))
-        for m_tile in ((16, 32) if quick else (8, 16, 32)):  # the shared-memory pipeline
-            for smem in ((4,) if quick else (3, 4, 6)):
-                out.append((m_tile, 1, 1, 2, 0, 8, smem))
     return out
 
 

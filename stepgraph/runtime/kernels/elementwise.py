@@ -27,7 +27,7 @@ FUSED_TILE = 8192  # sources x columns of its accumulator tiles (32 registers a 
 FUSED_WARPS = 8
 FUSED_STAGES = 3  # chunks of the sweeps' loads in flight (Triton's loop pipelining)
 ROW_TILE = 32768  # sources x columns the one-tile fused kernel holds (64 registers a thread)
-ROW_WARPS = 16
+ROW_WARPS = 16  # 8: k3-rank-tp8 B=1 1514.0-1515.6 us against 1505.2-1508.8 (eleventh session)
 ROW_REGS = 128  # registers a thread may use: 16 warps fit one SM (ptxas alone chose 64 and spilled)
 
 

@@ -190,7 +190,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                  stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
                  g_ptr, eps,
                  BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, DEPTH: tl.constexpr,
-                 STAGED: tl.constexpr,
                  SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr,
                  USE_PDL: tl.constexpr, NORM: tl.constexpr):
     """Partial (or whole) ``x[row] @ w.T`` of one weight tile and K split, for one batch row,
@@ -200,11 +199,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     in flight: the first ``DEPTH - 1`` are loaded before ``gdc_wait()``, and each iteration
     issues the load of chunk ``i + DEPTH - 1`` (and of the activations' next chunk) before
     it multiplies chunk ``i``. No shared memory and no barrier in the loop, so a program
-    streams at its own pace. ``STAGED`` > 1 (``DEPTH`` 2): chunk 0 is loaded into registers
-    before the wait as above, and chunks 1.. go through Triton's loop pipeline, ``STAGED``
-    deep in shared memory (asynchronous copies): more bytes in flight a program than
-    registers hold, for grids of about one program an SM slot (7168-row weights at m_tile
-    32). Each row of a bin re-reads the weights (through L2), so tables
+    streams at its own pace. (Chunks through a shared-memory loop pipeline instead, chunk 0
+    in registers before the wait: slower in the step at every depth tried, docs/perf.md,
+    eleventh session.) Each row of a bin re-reads the weights (through L2), so tables
     give this form to one-row bins. ``NORM`` (one split): the rows are RMS-normalized with
     weight ``g`` on the way: each chunk of x is scaled by g's chunk and its squares summed,
     and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end."""
@@ -234,38 +231,27 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     g0 = x0
     if NORM:
         g0 = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
-    if STAGED > 1:
-        acc, squares = _gemv_step(acc, squares, w0, x0, g0, NORM)
-        for i in tl.range(1, chunks, num_stages=STAGED):
-            w_i = _w_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
-            kx = k_lo + i * CHUNK_K + offs_k
-            x_i = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
-            g_i = x_i
-            if NORM:
-                g_i = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
-            acc, squares = _gemv_step(acc, squares, w_i, x_i, g_i, NORM)
-    else:
-        for i in range(0, chunks):
-            w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk,
-                             CHUNK_K)
-            kx = k_lo + (i + 1) * CHUNK_K + offs_k
-            x_new = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
-            xf = x0.to(tl.float32)  # converted before g's load: the order the benches ran
-            g_new = x_new
-            if NORM:
-                g_new = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
-            acc, squares = _gemv_step(acc, squares, w0, xf, g0, NORM)
-            x0 = x_new
-            g0 = g_new
-            if DEPTH == 2:
-                w0 = w_new
-            elif DEPTH == 3:
-                w0 = w1
-                w1 = w_new
-            else:
-                w0 = w1
-                w1 = w2
-                w2 = w_new
+    for i in range(0, chunks):
+        w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk,
+                         CHUNK_K)
+        kx = k_lo + (i + 1) * CHUNK_K + offs_k
+        x_new = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
+        xf = x0.to(tl.float32)  # converted before g's load: the order the benches ran
+        g_new = x_new
+        if NORM:
+            g_new = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
+        acc, squares = _gemv_step(acc, squares, w0, xf, g0, NORM)
+        x0 = x_new
+        g0 = g_new
+        if DEPTH == 2:
+            w0 = w_new
+        elif DEPTH == 3:
+            w0 = w1
+            w1 = w_new
+        else:
+            w0 = w1
+            w1 = w2
+            w2 = w_new
     offs_r = row + tl.arange(0, 1)
     part = tl.sum(acc, axis=1)[:, None]
     if NORM:
@@ -301,24 +287,21 @@ class SplitKTactic:
     ``warps``, ``pre`` (weight tiles loaded before the PDL wait) and ``fused`` (1: the last
     split of a tile reduces; 0: a reduction launch) refine it. ``n_tile`` 1 is the GEMV form
     (:func:`_gemv_kernel`: one batch row a program, no MMA; ``stages`` 2..4 = weight chunks
-    in flight, the first ``stages - 1`` before the PDL wait; ``pre`` unused); ``smem`` > 1
-    (GEMV form only): chunk 0 in registers before the wait, the rest through a loop pipeline
-    ``smem`` deep in shared memory (``stages`` then unused)."""
+    in flight, the first ``stages - 1`` before the PDL wait; ``pre`` unused)."""
 
     m_tile: int = 128
     n_tile: int = 16
     split: int = 1
     stages: int = 4
     k_tile: int = 0
-    warps: int = 4
-    smem: int = 0  # the table's field order: m_tile, n_tile, split, stages, k_tile, warps, smem
+    warps: int = 4  # the table's field order: m_tile, n_tile, split, stages, k_tile, warps
     pre: int = 2
     fused: int = 1
 
     @classmethod
     def from_mapping(cls, tactic: Mapping[str, Any] | None, rows: int) -> SplitKTactic:
         """The tactic of a bin decision (``{m_tile, n_tile, split, stages}``, optional
-        ``k_tile``, ``warps``, ``smem``, ``pre``); an empty mapping gives a default for
+        ``k_tile``, ``warps``, ``pre``); an empty mapping gives a default for
         ``rows``: the GEMV form at one row (faster than the MMA form at every K3 shape
         measured, see docs/perf.md), else an MMA tile of the rows."""
         if not tactic:
@@ -343,7 +326,6 @@ class SplitKPlan:
     pre: int
     grid: tuple[int, int, int]
     gemv: bool = False
-    staged: int = 0  # GEMV form: the shared-memory loop pipeline's depth (< 2: registers only)
 
 
 def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
@@ -353,14 +335,10 @@ def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
         if getattr(tactic, name) < 1:
             raise UserError(f"split-K tactic {tactic}: {name} must be positive")
     gemv = tactic.n_tile == 1
-    staged = 0
     if gemv:
         block_w, block_r = next_pow2(tactic.m_tile), 1
         block_k = next_pow2(tactic.k_tile or max(64, tile_width(block_w)))
         stages = max(2, min(4, tactic.stages))  # chunks in flight, in registers
-        if tactic.smem > 1:  # Triton keeps depth - 1 chunks of w (and of x) in shared memory
-            stages = 2
-            staged = min(tactic.smem, 1 + SMEM_LIMIT // ((block_w + 1) * block_k * 2))
     else:
         block_w = max(16, next_pow2(tactic.m_tile))
         block_r = max(16, min(next_pow2(tactic.n_tile), next_pow2(rows)))
@@ -374,7 +352,7 @@ def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
     split = triton.cdiv(k, k_per_split)
     grid = (triton.cdiv(n, block_w), split, triton.cdiv(rows, block_r))
     return SplitKPlan(block_w, block_r, block_k, split, k_per_split, stages,
-                      max(1, tactic.warps), max(1, min(2, tactic.pre)), grid, gemv, staged)
+                      max(1, tactic.warps), max(1, min(2, tactic.pre)), grid, gemv)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -450,7 +428,7 @@ class SplitKGemm:
             norm = self.norm
             _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
                                  BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
-                                 STAGED=p.staged, NORM=norm is not None, num_stages=1,
+                                 NORM=norm is not None, num_stages=1,
                                  **common)
         else:
             _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,

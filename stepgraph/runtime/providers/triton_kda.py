@@ -183,6 +183,10 @@ def kda_launch(attrs: dict[str, Any], ins: list[torch.Tensor], out: torch.Tensor
     work = kda_scratch(device, rows, heads, dim)
     use_pdl = pdl_allowed(pdl, device)
     tactic = dict(tactic or {})
+    # 32: k3-rank-tp8 B=1 (eleventh session) 16 1506.7-1508.7 us, 32 1505.2-1508.8, 64
+    # 1510.6-1512.8; the prep inside the recurrence, one program a head (built, then
+    # removed: one program a head cannot split the state over V blocks without racing on
+    # the conv states) 1526-1548
     block_v = int(tactic.get("block_v", 32))
     warps = int(tactic.get("num_warps", 4))
     gate_kernel = rows >= int(tactic.get("gate_rows", GATE_KERNEL_ROWS))

@@ -47,7 +47,10 @@ MAX_SPLITS = 64
 # Programs per SM the split count aims at. Measured on the H200 (2026-12-01, 4096 cached
 # tokens, scripts/ab_replay.py): k3-rank-tp8 at B=1 (12 heads) 64 splits 1673 us a step,
 # 32: 1684, 16: 1715, 8: 1784; k3-slice-tp1 at B=16 (64 heads) 5 splits (two waves) 6164
-# us, 8: 6070-6099, 16: 6089-6105. Four waves gives 64 and 9.
+# us, 8: 6070-6099, 16: 6089-6105. Four waves gives 64 and 9. Eleventh session (tactic
+# split): k3-rank-tp8 B=1 128 splits 1500.2-1504.3 against 1504.5-1508.1 (96: 1509-1511;
+# 16-token blocks with 64 / 128 / 256 splits 1513-1526), but k3-slice-tp1 B=1 (96 heads)
+# 2745.5-2746.0 against 2740.6-2742.2: the cap stays.
 WAVES = 4
 
 

@@ -7,11 +7,12 @@ Usage: python3 scripts/tactics_variant.py OP.FIELD=VALUE [...] -o variant.yaml
 
 An op with a table gets FIELD in every bin of every row (appended when the table lists it as
 an optional field and a bin leaves it out); ``--bin`` and ``--shape`` narrow that to one bin
-and to the rows matching those weight shapes (e.g. the shared-memory GEMV for two shapes at
+and to the rows matching those weight shapes (e.g. another GEMV tile for two shapes at
 one row: ``projection.m_tile=16 --bin 1 --shape 7168x1536 --shape 7168x3584``). An op without
 one (kda_core) gets a table of its own: one row matching every shape, one bin
-serving every row count, the op's first provider. A section of the file instead of an op
-(``streams``, ``pdl``, ``prefetch``) gets its key set (0 / 1 for a yes-no key). Example
+serving every row count, the op's first provider, a field for each of its settings. A
+section of the file instead of an op (``streams``, ``pdl``, ``prefetch``) gets its key set
+(0 / 1 for a yes-no key). Example
 (forms the H200 table leaves off, docs/perf.md):
 
     python3 scripts/tactics_variant.py routed_experts.combine=1 kda_core.out_norm=1 \\
@@ -30,6 +31,7 @@ import yaml
 from stepgraph.tactics import table_path
 
 SECTIONS = ("streams", "pdl", "prefetch")  # sections whose keys a setting may set
+MADE = "scripts/tactics_variant.py"  # the source of a table this script made
 
 
 class VariantError(Exception):
@@ -50,14 +52,15 @@ def set_field(data: dict[str, Any], op: str, field: str, value: int,
         entry["table"] = name
         provider = entry["providers"][0]
         data["tactics"][name] = {
-            "provider": provider, "fields": [field], "default": provider,
-            "default_source": "scripts/tactics_variant.py",
+            "provider": provider, "fields": [], "default": provider, "default_source": MADE,
             # one bin at 1 row: larger bins take the largest tabled bin
-            "rows": [{"match": {}, "source": "scripts/tactics_variant.py",
-                      "bins": {1: [value]}}]}
-        return
+            "rows": [{"match": {}, "source": MADE, "bins": {1: []}}]}
     table = data["tactics"][name]
     fields = list(table["fields"])
+    if field not in fields and table["default_source"] == MADE:  # a table made here grows
+        table["fields"].append(field)
+        table["rows"][0]["bins"][1].append(value)
+        return
     if field not in fields:
         raise VariantError(f"table {name} has no field {field!r} (fields: "
                          f"{', '.join(fields)})")

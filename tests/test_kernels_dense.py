@@ -333,7 +333,7 @@ def sm90_projection() -> None:
     from stepgraph.runtime.kernels.splitk_gemm import InputNorm
 
     for n, k, t in ((7168, 3584, (32, 1, 1, 2, 0, 8)), (6288, 7168, (8, 1, 1, 2, 0, 8)),
-                    (20480, 7168, (16, 1, 1, 2, 0, 8)), (7168, 3584, (32, 1, 1, 2, 0, 8, 4))):
+                    (20480, 7168, (16, 1, 1, 2, 0, 8))):
         gemm = SplitKGemm(_meta(1, k), _meta(n, k), _meta(1, n), SplitKTactic(*t),
                           norm=InputNorm(_meta(k), 1e-5, torch.bfloat16))
         gemm.pdl = True

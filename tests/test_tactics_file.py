@@ -103,21 +103,25 @@ def test_runtime_preferences_and_bench_recompile_use_the_recorded_table(tmp_path
 
 def test_a_variant_table_sets_a_field_in_every_decision(tmp_path: Path) -> None:
     """scripts/tactics_variant.py: a field of a tabled op (routed_experts' optional combine)
-    and a tactic of an op without a table (kda_core's out_norm) reach every bin's decision of
-    the compiled K3 rank; the packaged table's own decisions lack both."""
+    and two tactics of an op without a table (kda_core's out_norm and block_v, one table
+    made for both) reach every bin's decision of the compiled K3 rank; the packaged table's
+    own decisions lack them."""
     variant = tmp_path / "variant.yaml"
     script = Path(__file__).resolve().parents[1] / "scripts" / "tactics_variant.py"
     done = subprocess.run([sys.executable, str(script), "routed_experts.combine=1",
-                           "kda_core.out_norm=1", "-o", str(variant)], capture_output=True,
-                          text=True)
+                           "kda_core.out_norm=1", "kda_core.block_v=16", "-o", str(variant)],
+                          capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     spec = str(MODELS / "k3_rank_tp8.yaml")
-    for name, extra, want in (("plain.sgart", (), None),
-                              ("variant.sgart", ("--tactics", str(variant)), 1)):
+    settings = (("l1.routed_experts", "combine", 1), ("l1.kda_core", "out_norm", 1),
+                ("l1.kda_core", "block_v", 16))
+    for name, extra, variant_on in (("plain.sgart", (), False),
+                                    ("variant.sgart", ("--tactics", str(variant)), True)):
         out = tmp_path / name
         result = run_cli("compile", spec, "--batches", "1,8,64", "-o", str(out), *extra)
         assert result.returncode == 0, result.stderr
         decisions = load_artifact(out).graph.meta["decisions"]
-        for node, field in (("l1.routed_experts", "combine"), ("l1.kda_core", "out_norm")):
+        for node, field, value in settings:
+            want = value if variant_on else None
             for rows, decision in decisions[node].items():
                 assert decision["tactic"].get(field) == want, (name, node, rows, decision)

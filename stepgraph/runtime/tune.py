@@ -88,9 +88,8 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
     ``quick``); n_tile = the rows (8..64). At one row also the GEMV form (n_tile 1, 16 KB
     chunks): m_tile 4 / 8 / 16 / 32 (8 / 16 when ``quick``), split 1 / 2 / 4, 2 or 3 chunks
     in flight (2 when ``quick``), 4 or 8 warps (8 when ``quick``), as
-    ``[m_tile, 1, split, chunks, 0, warps]``. Launches timed alone back to back
-    favour 3 chunks; inside the step 2 measured faster (docs/perf.md): check a table in the
-    step."""
+    ``[m_tile, 1, split, chunks, 0, warps]``. Launches timed alone back to back favour 3
+    chunks; inside the step 2 measured faster (docs/perf.md): check a table in the step."""
     n_tile = max(8, min(64, 1 << max(0, (rows - 1).bit_length())))
     out: list[tuple[int, ...]] = []
     for m_tile in ((64, 128) if quick else (32, 64, 128)):

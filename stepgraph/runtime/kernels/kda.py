@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from stepgraph.runtime.kernels.launch_utils import interpreting, scratch
-from stepgraph.runtime.kernels.splitk_gemm import gpu_fence
+from stepgraph.runtime.kernels.sync import arrive, reset
 
 FB_PRE_RANK = 128  # the widest f_b slab the prep kernel holds whole (loaded before its wait)
 
@@ -354,18 +354,15 @@ def _kda_recurrent_kernel(
         tl.store(o_ptr + base + dv, o.to(o_ptr.dtype.element_ty), mask=mask_v)
         slot = tl.load(slots_ptr + row).to(tl.int64)
         tl.store(state_ptr + slot * state_slot_stride + within, state, mask=mask_s & (slot >= 0))
-    if OUT_NORM:
-        if FENCE:
-            gpu_fence(dv)
-        tl.debug_barrier()
-        done = tl.atomic_add(sem_ptr + n * H + h, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(2) - 1:  # every V block of this head has stored its o
+    if OUT_NORM:  # noqa: SIM102 (a constexpr test apart: Triton folds it at compile time)
+        # the last V block of this head to arrive: every other has stored its o
+        if arrive(sem_ptr + n * H + h, dv, FENCE) == tl.num_programs(2) - 1:
             weight = _load_o_norm(onorm_ptr, D, BD)
             for j in tl.static_range(Q):
                 _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, weight, out_ptr,
                                 out_stride, eps, row0 + j, h, H, D, BD, GRANK, BR, LOW_RANK,
                                 True)
-            tl.atomic_xchg(sem_ptr + n * H + h, 0, sem="relaxed", scope="gpu")
+            reset(sem_ptr + n * H + h)
 
 
 @triton.jit

@@ -13,11 +13,11 @@ Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``
    row's routing weight into ``y[r * k + j]`` (float32).
 3. ``_moe_combine_kernel``: ``out[r] = sum_j y[r * k + j]`` over the row's experts held
    here (ids in ``[offset, offset + E)``), in the output's dtype; other ids add nothing.
-   With tactic ``combine`` 1 (default 0 until measured on the GPU: docs/perf.md, ninth
-   session) no third launch runs: every down program counts itself done on its column tile
-   (an atomic counter, left at zero again), and the tile's last one sums the tile's columns
-   of every row the same way (:func:`combined_rows`), in the same order, so the two forms
-   write the same bits.
+   With tactic ``combine`` 1 (default 0: measured ~4 us slower at one row on the H200,
+   docs/perf.md, tenth session) no third launch runs: every down program counts itself done
+   on its column tile (:func:`stepgraph.runtime.kernels.sync.arrive`), and the tile's last
+   one sums the tile's columns of every row the same way (:func:`combined_rows`), in the
+   same order, so the two forms write the same bits.
 
 The grid covers ``min(E, R * k)`` experts x tiles x ``ceil(R / BLOCK_M)`` chunks; programs
 past the active experts or rows return at once. A row's ids must be distinct (top-k).
@@ -45,7 +45,8 @@ from stepgraph.runtime.kernels.launch_utils import (
     pdl_allowed,
     scratch,
 )
-from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, gpu_fence, mma
+from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, mma
+from stepgraph.runtime.kernels.sync import arrive, reset
 
 ACTIVATIONS = {"silu": 0, "situ": 1}
 MAX_ROWS = 512  # rows one launch routes (checked: sm_90 compiles without spills up to 512)
@@ -267,12 +268,9 @@ def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr, out_ptr, sem_ptr,
         y = acc * wt.to(tl.float32)[None, :]
         tl.store(y_ptr + slot[None, :].to(tl.int64) * stride_yr + offs_n[:, None], y,
                  mask=n_ok[:, None] & valid_m[None, :])
-    if COMBINE:
-        if FENCE:
-            gpu_fence(offs_n)
-        tl.debug_barrier()
-        done = tl.atomic_add(sem_ptr + nt, 1, sem="acq_rel", scope="gpu")
-        if done == ACTIVE * CHUNKS - 1:  # every program of this column tile has stored y
+    if COMBINE:  # noqa: SIM102 (a constexpr test apart: Triton folds it at compile time)
+        # the last program of this column tile to arrive: every other has stored its y
+        if arrive(sem_ptr + nt, offs_n, FENCE) == ACTIVE * CHUNKS - 1:
             for r0 in range(0, R, COMBINE_ROWS):
                 rows = r0 + tl.arange(0, COMBINE_ROWS)
                 total = combined_rows(y_ptr, ids_ptr, tl.where(rows < R, rows, -1), offs_n, W,
@@ -281,7 +279,7 @@ def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr, out_ptr, sem_ptr,
                 tl.store(out_ptr + rows[:, None] * stride_or + offs_n[None, :] * stride_on,
                          total.to(out_ptr.dtype.element_ty),
                          mask=(rows < R)[:, None] & n_ok[None, :])
-            tl.atomic_xchg(sem_ptr + nt, 0, sem="relaxed", scope="gpu")
+            reset(sem_ptr + nt)
 
 
 @triton.jit

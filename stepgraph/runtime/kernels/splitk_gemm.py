@@ -34,6 +34,7 @@ from stepgraph.runtime.kernels.launch_utils import (
     scratch,
     tile_width,
 )
+from stepgraph.runtime.kernels.sync import arrive, reset
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use (H100/H200: 227 KB)
 REDUCE_BLOCK = 1024
@@ -46,14 +47,6 @@ def mma(a, b, acc, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-
-
-@triton.jit
-def gpu_fence(anchor):
-    """``fence.acq_rel.gpu`` in every thread (``anchor``: any tensor, for the thread layout):
-    this thread's earlier stores are ordered before its later atomics, GPU-wide."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [anchor],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -71,19 +64,15 @@ def _store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, tile, out_ptr, ws_pt
     else:
         ws = ws_ptr + (pid_s * R + offs_r[None, :]) * N + offs_w[:, None]
         tl.store(ws, acc, mask=mask)
-        if FUSED:
-            if FENCE:
-                gpu_fence(offs_w)
-            tl.debug_barrier()
-            done = tl.atomic_add(sem_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:  # the other splits' partials are all stored
+        if FUSED:  # noqa: SIM102 (a constexpr test apart: Triton folds it at compile time)
+            if arrive(sem_ptr + tile, offs_w, FENCE) == SPLIT - 1:  # the others are stored
                 total = tl.zeros(acc.shape, dtype=tl.float32)
                 for s in tl.static_range(SPLIT):
                     part = ws_ptr + (s * R + offs_r[None, :]) * N + offs_w[:, None]
                     total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
                 ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
                 tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(sem_ptr + tile, 0, sem="relaxed", scope="gpu")
+                reset(sem_ptr + tile)
 
 
 @triton.jit
@@ -174,17 +163,6 @@ def _w_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K: tl.const
 
 
 @triton.jit
-def _gemv_step(acc, squares, w, x, g, NORM: tl.constexpr):
-    """One weight chunk's products added to ``acc`` (``NORM``: x's squares summed and x
-    scaled by the norm weight's chunk ``g`` first)."""
-    xf = x.to(tl.float32)
-    if NORM:
-        squares += xf * xf
-        xf = xf * g.to(tl.float32)
-    return acc + w.to(tl.float32) * xf[None, :], squares
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                  R, N, K, chunks_per_split,
                  stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
@@ -227,22 +205,21 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     kx = k_lo + offs_k
     x0 = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
     acc = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
-    squares = tl.zeros([CHUNK_K], dtype=tl.float32)  # of x, for NORM
-    g0 = x0
     if NORM:
         g0 = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
+        squares = tl.zeros([CHUNK_K], dtype=tl.float32)
     for i in range(0, chunks):
-        w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk,
-                         CHUNK_K)
+        w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
         kx = k_lo + (i + 1) * CHUNK_K + offs_k
         x_new = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
-        xf = x0.to(tl.float32)  # converted before g's load: the order the benches ran
-        g_new = x_new
+        xf = x0.to(tl.float32)
         if NORM:
             g_new = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
-        acc, squares = _gemv_step(acc, squares, w0, xf, g0, NORM)
+            squares += xf * xf
+            xf = xf * g0.to(tl.float32)
+            g0 = g_new
+        acc += w0.to(tl.float32) * xf[None, :]
         x0 = x_new
-        g0 = g_new
         if DEPTH == 2:
             w0 = w_new
         elif DEPTH == 3:
@@ -301,9 +278,9 @@ class SplitKTactic:
     @classmethod
     def from_mapping(cls, tactic: Mapping[str, Any] | None, rows: int) -> SplitKTactic:
         """The tactic of a bin decision (``{m_tile, n_tile, split, stages}``, optional
-        ``k_tile``, ``warps``, ``pre``); an empty mapping gives a default for
-        ``rows``: the GEMV form at one row (faster than the MMA form at every K3 shape
-        measured, see docs/perf.md), else an MMA tile of the rows."""
+        ``k_tile``, ``warps``, ``pre``); an empty mapping gives a default for ``rows``: the
+        GEMV form at one row (faster than the MMA form at every K3 shape measured, see
+        docs/perf.md), else an MMA tile of the rows."""
         if not tactic:
             if rows == 1:
                 return cls(m_tile=16, n_tile=1, stages=2, warps=8)
@@ -428,8 +405,7 @@ class SplitKGemm:
             norm = self.norm
             _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
                                  BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
-                                 NORM=norm is not None, num_stages=1,
-                                 **common)
+                                 NORM=norm is not None, num_stages=1, **common)
         else:
             _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,
                                    BLOCK_K=p.block_k, PRE=p.pre,

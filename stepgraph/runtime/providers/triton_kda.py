@@ -5,8 +5,9 @@ fla-core's ``fused_recurrent_kda`` recurrence, in place on the state pool).
 Bins of at least ``GATE_KERNEL_ROWS`` rows (tactic key ``gate_rows``) compute the decay gate
 in a separate GEMM kernel; smaller bins compute it inside the prep kernel (one launch less).
 With tactic key ``out_norm`` 1 our recurrence also runs the gated output norm (its last V
-block of each head) and the norm launch is gone; by default (0, until measured on the GPU),
-and always with fla's recurrence, the norm is a launch of its own.
+block of each head) and the norm launch is gone; by default (0: measured ~4 us slower at one
+row on the H200, docs/perf.md, tenth session), and always with fla's recurrence, the norm is
+a launch of its own.
 Tactic keys: ``block_v`` and ``num_warps`` of the recurrence, ``gate_rows``, ``out_norm``.
 
 Both handle decode (q = 1) and verify (q > 1) steps. Slots: ``triton`` follows the
@@ -184,9 +185,7 @@ def kda_launch(attrs: dict[str, Any], ins: list[torch.Tensor], out: torch.Tensor
     use_pdl = pdl_allowed(pdl, device)
     tactic = dict(tactic or {})
     # 32: k3-rank-tp8 B=1 (eleventh session) 16 1506.7-1508.7 us, 32 1505.2-1508.8, 64
-    # 1510.6-1512.8; the prep inside the recurrence, one program a head (built, then
-    # removed: one program a head cannot split the state over V blocks without racing on
-    # the conv states) 1526-1548
+    # 1510.6-1512.8 (docs/perf.md)
     block_v = int(tactic.get("block_v", 32))
     warps = int(tactic.get("num_warps", 4))
     gate_kernel = rows >= int(tactic.get("gate_rows", GATE_KERNEL_ROWS))

@@ -102,13 +102,40 @@ def test_plain_residual_models_only_fuse_norms_into_projections() -> None:
     """Without AttnRes only the norm -> projection rewrite applies: each norm read by one
     projection goes, the projection keeps its name and place; nothing else changes."""
     graph, ctx = _before_fuse("tiny_kimi_linear")
-    result = Fuse().run(graph, ctx)
+    result = Fuse(combine_top_k=0).run(graph, ctx)
     fused = result.graph
     assert result.changed and Counter(n.op for n in fused)["attn_res_norm"] == 0
     gone = [n.name for n in graph if not fused.has_node(n.name)]
     assert gone and all(graph.node(name).op == "rmsnorm" for name in gone)
     assert len([n for n in fused if "input_norm_eps" in n.attrs]) == len(gone)
     assert [n.name for n in fused] == [n.name for n in graph if n.name not in gone]
+
+
+def test_expert_sums_move_into_their_projections_at_small_top_k() -> None:
+    """k3-rank-tp8 (top-2 of 112, every expert held): each routed_experts node writes its
+    slots [B, 2, 3584] in float32 and routed_expert_up sums them as its input combine (its
+    latent norm fused in too); k3-slice-tp1 (top-16), a DEP deployment (experts split over
+    ranks) and ``combine_top_k=0`` keep the experts' own sum."""
+    graph = _compiled("k3_rank_tp8")
+    experts = [n for n in graph if n.op == "routed_experts"]
+    assert len(experts) == 12 and all(n.attrs["slots"] for n in experts)
+    for node in experts:
+        (slots,) = node.outputs
+        assert graph.values[slots].type == TensorType(("B", 2, 3584), "float32")
+        (reader,) = graph.users()[slots]
+        up = graph.node(reader)
+        assert up.name.endswith("routed_up") and up.inputs[0] == slots
+        assert up.attrs["input_combine_top_k"] == 2
+        assert up.attrs["input_combine_dtype"] == node.attrs["slot_dtype"] == "bfloat16"
+        assert "input_norm_eps" in up.attrs
+    assert not any(name.endswith(".routed") for name in graph.values)
+    verify(graph)
+    for other in (_compiled("k3_slice_tp1"), _compiled("tiny_k3", dep=2)):
+        assert not any(n.attrs.get("slots") for n in other)
+        assert not any("input_combine_top_k" in n.attrs for n in other)
+    graph, ctx = _before_fuse("k3_rank_tp8")
+    kept = Fuse(combine_top_k=0).run(graph, ctx).graph
+    assert not any(n.attrs.get("slots") for n in kept)
 
 
 def test_disabled_leaves_the_graph() -> None:

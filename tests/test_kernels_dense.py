@@ -105,6 +105,42 @@ def check_projection(rows: int, n: int, k: int, tactic: dict[str, int], out_dtyp
     return err
 
 
+def check_combined_projection(rows: int, n: int, k: int, top_k: int, tactic: dict[str, int],
+                              device: str, norm: bool = True, seed: int = 0) -> float:
+    """The splitk provider with the fuse pass's input combine: x is routed-expert slots
+    [rows, top_k, k] (float32), summed inside the GEMV or by a launch first. Its output must
+    equal, bit for bit, the same provider's on the slots summed apart by the slot-sum
+    kernel (slot order, stored in BF16 as the experts' own combine stores them), and the
+    reference within BF16 error; returns the relative error."""
+    from stepgraph.runtime.kernels.elementwise import SlotSum
+    from stepgraph.runtime.providers.triton_dense import _projection
+
+    gen = torch.Generator().manual_seed(seed)
+    slots = (torch.randn(rows, top_k, k, generator=gen) * 3.0).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16).to(device)
+    g = (1.0 + 0.5 * torch.randn(k, generator=gen)).to(torch.bfloat16).to(device)
+    norm_attrs = {"input_norm_eps": 1e-5, "input_norm_dtype": "bfloat16"} if norm else {}
+    attrs = {**norm_attrs, "input_combine_top_k": top_k, "input_combine_dtype": "bfloat16"}
+    extra = [g] if norm else []
+    out = _poisoned(rows, n, torch.bfloat16, device)
+    node = node_of("projection", 2 + len(extra), 1, **attrs)
+    _projection(context(node, [slots, w, *extra, out], tactic=tactic))()
+    summed = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
+    SlotSum(slots, summed)()
+    apart = _poisoned(rows, n, torch.bfloat16, device)
+    node = node_of("projection", 2 + len(extra), 1, **norm_attrs)
+    _projection(context(node, [summed, w, *extra, apart], tactic=tactic))()
+    where = f"combined projection rows={rows} n={n} k={k} top_k={top_k} tactic={tactic}"
+    assert not torch.isnan(out).any(), f"{where}: NaN (unwritten) in the output"
+    assert torch.equal(out, apart), (f"{where}: differs from the slots summed apart by "
+                                     f"{rel_err(out, apart.float()):.2e}")
+    ref = ref_op("projection", [slots, w.float(), *[t.float() for t in extra]], attrs,
+                 [torch.float32])[0]
+    err = rel_err(out, ref)
+    assert err < TOL_BF16, f"{where}: relative error {err:.3e} >= {TOL_BF16}"
+    return err
+
+
 def _poisoned(rows: int, width: int, dtype: Any, device: str, pad: int = 0) -> Any:
     base = torch.full((rows, width + 2 * pad), float("nan"), dtype=dtype, device=device)
     return base[:, pad:pad + width]
@@ -222,6 +258,16 @@ def interpreter_projection() -> None:
         err = check_projection(rows, n, k, tactic, torch.bfloat16, "cpu", seed=20 + seed,
                                norm=True)
         print(f"projection with an input norm rows={rows} {t}: {err:.2e}")
+    # with the experts' combine: inside the GEMV (with and without a norm, 2 and 3 slots,
+    # ragged K), through a sum launch first (the GEMV with 2 splits, the MMA form)
+    for seed, (rows, n, k, top_k, t, norm) in enumerate(((1, 70, 200, 2, (8, 1, 1, 2), True),
+                                                         (1, 37, 96, 3, (16, 1, 1, 3), False),
+                                                         (1, 40, 256, 2, (8, 1, 2, 2), True),
+                                                         (3, 33, 200, 2, (32, 16, 2, 2), True))):
+        tactic = {**_tactic(t), "k_tile": 32}
+        err = check_combined_projection(rows, n, k, top_k, tactic, "cpu", norm, seed=40 + seed)
+        print(f"projection with an input combine rows={rows} {t}: {err:.2e}")
+
 
 
 def interpreter_small_ops() -> None:
@@ -341,6 +387,15 @@ def sm90_projection() -> None:
         print(f"{c.name} {n}x{k} with an input norm: {c.regs} regs, {c.spills} B spilled")
         assert c.spills == 0 and c.regs <= 128, f"{n}x{k} input norm: {c.regs} regs"
         assert c.loads_before_wait(), f"{n}x{k} input norm: no weight load before the wait"
+    # routed_expert_up summing k3-rank-tp8's two expert slots while it streams, with its norm
+    gemm = SplitKGemm(_meta(1, 2, 3584, dtype=torch.float32), _meta(7168, 3584),
+                      _meta(1, 7168), SplitKTactic(32, 1, 1, 2, 0, 8),
+                      norm=InputNorm(_meta(3584), 1e-5, torch.bfloat16), combine=torch.bfloat16)
+    gemm.pdl = True
+    (c,) = sm90_compiles(gemm)
+    print(f"{c.name} 7168x3584 with an input combine and norm: {c.regs} regs, {c.spills} B")
+    assert c.name == "_gemv_kernel" and c.spills == 0 and c.regs <= 128, c.regs
+    assert c.loads_before_wait(), "input combine: no weight load before the wait"
 
 
 def sm90_small_ops() -> None:
@@ -519,6 +574,20 @@ def test_projection_gpu(shape: tuple[Any, ...]) -> None:
                                                 "cuda", pdl=True, strided=rows % 2 == 0,
                                                 seed=100 * i + rows))
     print(f"projection {n}x{k} {out_name}: worst relative error {worst:.2e}")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_projection_with_input_combine_gpu(rows: int) -> None:
+    """routed_expert_up of k3-rank-tp8 (7168 x 3584, top-2 slots) with its latent norm and
+    the experts' combine: the one-row GEMV sums the slots while it streams (its table
+    tactic), more rows sum them in a launch first; bit-equal to the slots summed apart."""
+    tactic = (32, 1, 1, 2, 0, 8) if rows == 1 else (64, 8, 2, 4)
+    for norm in (True, False):
+        err = check_combined_projection(rows, 7168, 3584, 2, _tactic(tactic), "cuda", norm,
+                                        seed=rows)
+        print(f"rows={rows} norm={norm}: {err:.2e}")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

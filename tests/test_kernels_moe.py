@@ -107,7 +107,9 @@ def check_combine_forms(rows: int, experts: int, local: int, offset: int, top_k:
     """The down launch's own combine (tactic ``combine`` 1) and the combine launch (0)
     write the same bits on the same fresh inputs (both summing in slot order), twice in a
     row (the tile counters must be left at zero for the next launch), and both match the
-    float32 reference."""
+    float32 reference. Holding every expert, the fuse pass's form too: the slots the down
+    launch leaves (NaN-poisoned first: each must be written), summed by the slot-sum kernel,
+    give the combine launch's bits, and the slots match the reference's."""
     from stepgraph.runtime.providers.triton_moe import routed_experts
 
     gen = torch.Generator().manual_seed(seed)
@@ -132,6 +134,22 @@ def check_combine_forms(rows: int, experts: int, local: int, offset: int, top_k:
                  attrs, [torch.float32])[0]
     err = rel_err(outs[0], ref)
     assert err < TOL_BF16, f"{where}: relative error {err:.3e} against the reference"
+    if local != experts:
+        return
+    from stepgraph.runtime.kernels.elementwise import SlotSum
+
+    slot_attrs = {**attrs, "slots": True, "slot_dtype": "float32"}
+    slots = torch.full((rows, top_k, width), float("nan"), device=device)
+    routed_experts(context(node_of("routed_experts", 5, 1, **slot_attrs),
+                           [x, ids, wts, gate_up, down, slots], pdl=True, tactic=tactic))()
+    assert not torch.isnan(slots).any(), f"{where}: a slot left unwritten"
+    summed = torch.empty(rows, width, dtype=torch.bfloat16, device=device)
+    SlotSum(slots, summed)()
+    assert torch.equal(summed, outs[1]), f"{where}: summed slots differ from the combine"
+    ref = ref_op("routed_experts", [x.float(), ids, wts, gate_up.float(), down.float()],
+                 slot_attrs, [torch.float32])[0]
+    err = rel_err(slots, ref)
+    assert err < TOL_BF16, f"{where}: slots' relative error {err:.3e} against the reference"
 
 
 def check_router(rows: int, experts: int, top_k: int, score: str, bias: bool,

@@ -47,6 +47,11 @@ def _shape(t: TensorType) -> str:
 def _matmul(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
     x, w = ins[0], ins[1]
     (out,) = outs
+    if "input_combine_top_k" in node.attrs:  # the fuse pass's combine: x[R, k, K] slots
+        if not (len(x.shape) == 3 and x.shape[1] == node.attrs["input_combine_top_k"]):
+            raise TypeRuleError(f"combined rows {_shape(x)}: expected [R, "
+                                f"{node.attrs['input_combine_top_k']}, K] expert slots")
+        x = TensorType((x.shape[0], x.shape[2]), x.dtype)
     if not (len(x.shape) == 2 and len(w.shape) == 2):
         raise TypeRuleError("projection takes x[R,K] and w[N,K]")
     if x.shape[1] != w.shape[1]:
@@ -185,7 +190,11 @@ def _experts(node: Node, ins: list[TensorType], outs: list[TensorType]) -> None:
         raise TypeRuleError(f"gate_up {_shape(gate_up)}, expected {local}x{2 * width}x{x.shape[1]}")
     if down.shape != (local, x.shape[1], width):
         raise TypeRuleError(f"down {_shape(down)}")
-    if outs[0].shape != x.shape:
+    if node.attrs.get("slots"):  # the fuse pass's form: each slot's weighted expert output
+        want = (x.shape[0], ids.shape[1], x.shape[1])
+        if outs[0].shape != want or outs[0].dtype != "float32":
+            raise TypeRuleError(f"slots {outs[0]}: expected float32[{'x'.join(map(str, want))}]")
+    elif outs[0].shape != x.shape:
         raise TypeRuleError(f"out {_shape(outs[0])} vs x {_shape(x)}")
     if not (ids.shape[0] == x.shape[0] == weights.shape[0]):
         raise TypeRuleError("rows of x, ids, weights differ")

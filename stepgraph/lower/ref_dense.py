@@ -71,10 +71,23 @@ def attn_res_norm(call: OpCall) -> list[torch.Tensor]:
     return [normed, *results]
 
 
+def combined_slots(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rows of expert slots ``[R, k, W]`` summed in float32 slot after slot, rounded to
+    ``dtype`` (where the routed experts' own sum stored them)."""
+    total = slots[:, 0].float()
+    for j in range(1, slots.shape[1]):
+        total = total + slots[:, j].float()
+    return total.to(dtype)
+
+
 def projection(call: OpCall) -> list[torch.Tensor]:
     """``x @ W.T`` (also o_proj and lm_head); with the fuse pass's input norm, of
-    ``rmsnorm(x)`` rounded to ``input_norm_dtype`` (where the unfused norm stored it)."""
+    ``rmsnorm(x)`` rounded to ``input_norm_dtype`` (where the unfused norm stored it); with
+    its input combine, ``x`` are the routed experts' slots ``[R, k, K]``, summed first
+    (:func:`combined_slots`)."""
     x, weight = call.ins[:2]
+    if "input_combine_top_k" in call.attrs:
+        x = combined_slots(x, storage_dtype(call.attrs["input_combine_dtype"], call.compute))
     if "input_norm_eps" in call.attrs:
         dtype = storage_dtype(call.attrs["input_norm_dtype"], call.compute)
         x = rms_norm(x, call.ins[2], call.attrs["input_norm_eps"]).to(dtype)
@@ -112,6 +125,8 @@ def routed_experts(call: OpCall) -> list[torch.Tensor]:
     x, ids, weights, gate_up, down = call.ins
     attrs = call.attrs
     offset, local, width = attrs["expert_offset"], attrs["local_experts"], attrs["width"]
+    if attrs.get("slots"):
+        return [_expert_slots(x, ids, weights, gate_up, down, attrs, call.compute)]
     out = torch.zeros(x.shape, dtype=call.out_dtypes[0], device=x.device)
     local_ids = ids.long() - offset
     for expert in torch.unique(local_ids).tolist():
@@ -124,6 +139,27 @@ def routed_experts(call: OpCall) -> list[torch.Tensor]:
         y = y * weights[rows, slot, None]
         out.index_add_(0, rows, y.to(out.dtype))
     return [out]
+
+
+def _expert_slots(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor, attrs: dict,
+                  compute: torch.dtype) -> torch.Tensor:
+    """The fuse pass's form of :func:`routed_experts` (every expert held here): each row's
+    slot j holds ``weight[r, j] * down(act(gate, up))`` of its j-th expert, rounded to
+    ``slot_dtype`` (the unfused sum adds each expert's rows in that dtype), in float32
+    ``[R, k, W]``, for the consumer to sum."""
+    width = attrs["width"]
+    dtype = storage_dtype(attrs["slot_dtype"], compute)
+    slots = torch.zeros(x.shape[0], ids.shape[1], x.shape[1], dtype=torch.float32,
+                        device=x.device)
+    local_ids = ids.long() - attrs["expert_offset"]
+    for expert in torch.unique(local_ids).tolist():
+        rows, slot = torch.where(local_ids == expert)
+        h = linear(x[rows], gate_up[expert], x.dtype)
+        act = gated_activation(h[:, :width], h[:, width:], attrs)
+        y = linear(act, down[expert], act.dtype)
+        slots[rows, slot] = (y * weights[rows, slot, None]).to(dtype).float()
+    return slots
 
 
 def gated_mlp(call: OpCall) -> list[torch.Tensor]:

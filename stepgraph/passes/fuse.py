@@ -32,17 +32,31 @@ it streams (:mod:`stepgraph.runtime.kernels.splitk_gemm`): one launch less. A sh
 (``ways`` > 1: an all-reduced mean square), a projection split along its inputs (a
 rank's columns of ``y``) or a viewed ``y`` is left alone.
 
+Third rewrite: ``y = routed_experts(...)`` holding every expert (``local_experts`` =
+``experts``), top-k at most ``combine_top_k``, whose only reader is such a projection taking
+``y`` as its rows (the MoE's routed_expert_up, usually with its latent norm already fused
+in), leaves the weighted sum to that projection: the experts node gets attr ``slots`` (and
+``slot_dtype``, y's dtype) and writes ``<y>.slots``, float32 ``[R, k, W]``, each row's
+expert outputs side by side; the projection reads the slots as its rows with attrs
+``input_combine_top_k`` and ``input_combine_dtype`` and sums them first, in slot order
+(the experts kernels' own combine order), rounded where y was stored. At one row the GEMV
+form sums them while it streams (one launch less a layer); other forms run the sum as a
+launch first. With more slots a row the GEMV's programs would each reread k x W float32
+values, so top-k above ``combine_top_k`` keeps its combine.
+
 ``enabled`` off (the ablation) returns the graph unchanged.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
-from stepgraph.ir.types import Storage
+from stepgraph.ir.types import Storage, TensorType
+from stepgraph.ir.values import Value
 from stepgraph.passes.manager import CompileContext, PassResult
 
 NORM_READERS = ("projection", "o_proj", "lm_head")
@@ -66,6 +80,7 @@ class _Fusion:
     node: Node
     dropped_nodes: tuple[str, ...]
     dropped_values: tuple[str, ...]
+    also: tuple[Node, ...] = ()  # further nodes it rewrites in place
 
 
 class _Finder:
@@ -173,6 +188,39 @@ class _Finder:
         self.taken.update((norm.name, reader.name))
         return _Fusion(fused, (norm.name, reader.name), (normed,))
 
+    def combine_fusion(self, experts: Node, max_top_k: int) -> tuple[_Fusion, Value] | None:
+        """The experts node writing slots and its projection summing them (with the slots
+        value), or None."""
+        g = self.g
+        (routed,) = experts.outputs
+        readers = self.users.get(routed, [])
+        attrs = experts.attrs
+        top_k = int(g.values[experts.inputs[1]].type.shape[1])
+        if (experts.name in self.taken or len(readers) != 1 or not self._private_temp(routed)
+                or attrs.get("slots") or top_k > max_top_k
+                or int(attrs["local_experts"]) != int(attrs["experts"])):
+            return None
+        reader = g.node(readers[0])
+        if (reader.op not in NORM_READERS or reader.inputs[0] != routed
+                or routed in reader.inputs[1:] or reader.name in self.taken
+                or reader.placement != experts.placement):
+            return None
+        value = g.values[routed]
+        rows, width = value.type.shape
+        slots = Value(f"{routed}.slots", TensorType((rows, top_k, width), "float32"),
+                      Storage.TEMP)
+        producer = Node(name=experts.name, op=experts.op, inputs=experts.inputs,
+                        outputs=(slots.name,),
+                        attrs={**attrs, "slots": True, "slot_dtype": value.type.dtype},
+                        placement=experts.placement, layer=experts.layer, unit=experts.unit)
+        consumer = Node(name=reader.name, op=reader.op,
+                        inputs=(slots.name, *reader.inputs[1:]), outputs=reader.outputs,
+                        attrs={**reader.attrs, "input_combine_top_k": top_k,
+                               "input_combine_dtype": value.type.dtype},
+                        placement=reader.placement, layer=reader.layer, unit=reader.unit)
+        self.taken.update((experts.name, reader.name))
+        return _Fusion(consumer, (reader.name,), (routed,), (producer,)), slots
+
 
 @dataclass(frozen=True)
 class Fuse:
@@ -181,6 +229,7 @@ class Fuse:
 
     name: ClassVar[str] = "fuse"
     enabled: bool = True
+    combine_top_k: int = 2
 
     def run(self, graph: Graph, ctx: CompileContext) -> PassResult:
         """Return the graph with every fusable residual path fused."""
@@ -192,18 +241,31 @@ class Fuse:
                    if (f := finder.fusion(node)) is not None]
         norms = [f for node in graph if node.op == "rmsnorm"
                  if (f := finder.norm_fusion(node)) is not None]
-        if not fusions and not norms:
-            return PassResult(g, False, "no AttnRes mix or projection norm to fuse")
-        replace = {f.node.name: f.node for f in (*fusions, *norms)}
-        dropped = ({name for f in (*fusions, *norms) for name in f.dropped_nodes}
-                   - set(replace))
-        g.set_nodes(replace.get(n.name, n) for n in graph if n.name not in dropped)
-        for f in (*fusions, *norms):
-            for value in f.dropped_values:
-                g.remove_value(value)
+        _apply(g, graph, (*fusions, *norms))
+        finder = _Finder(g)
+        combines = [found for node in list(g) if node.op == "routed_experts"
+                    if (found := finder.combine_fusion(node, self.combine_top_k)) is not None]
+        for _, slots in combines:
+            g.add_value(slots)
+        _apply(g, g.copy(), [f for f, _ in combines])
+        if not fusions and not norms and not combines:
+            return PassResult(g, False, "no AttnRes mix, projection norm or expert sum to fuse")
         adds = sum(len(f.dropped_nodes) - 2 for f in fusions)
         mixes = sum(1 for n in graph if n.op == "attn_res_mix")
         summary = (f"fused {len(fusions)} of {mixes} AttnRes mixes with their norms and "
-                   f"{adds} adds, {len(norms)} norms into their projections: {len(graph)} -> "
-                   f"{len(g)} nodes")
+                   f"{adds} adds, {len(norms)} norms and {len(combines)} expert sums into "
+                   f"their projections: {len(graph)} -> {len(g)} nodes")
         return PassResult(g, True, summary)
+
+
+def _apply(g: Graph, source: Graph, fusions: Sequence[_Fusion]) -> None:
+    """Rewrite ``g`` (a copy of ``source``) with ``fusions``: fused nodes where their first
+    replaced node was, the nodes and values they replace gone."""
+    if not fusions:
+        return
+    replace = {n.name: n for f in fusions for n in (f.node, *f.also)}
+    dropped = {name for f in fusions for name in f.dropped_nodes} - set(replace)
+    g.set_nodes(replace.get(n.name, n) for n in source if n.name not in dropped)
+    for f in fusions:
+        for value in f.dropped_values:
+            g.remove_value(value)

@@ -340,21 +340,24 @@ class RoutedExperts:
     """A prepared routed-experts launch (two kernels, three with tactic ``combine`` 0) over
     bound tensors: ``x [R, W]``, ``ids [R, k]`` int32, ``weights [R, k]`` float32,
     ``gate_up [E, 2I, W]``, ``down [E, W, I]``, ``out [R, W]``; experts
-    ``[expert_offset, expert_offset + E)`` are held here. Calling it enqueues the launches.
-    Capturable."""
+    ``[expert_offset, expert_offset + E)`` are held here. With ``slots``, ``out`` is
+    float32 ``[R, k, W]``: the down launch writes each row's weighted expert outputs there
+    and no combine runs (the fuse pass's form: the consumer sums them; every slot must
+    name an expert held here). Calling it enqueues the launches. Capturable."""
 
     def __init__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                  gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor, *,
                  activation: str, beta: float = 1.0, beta_linear: float = 1.0,
                  expert_offset: int = 0, tactic: MoeTactic | None = None,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, slots: bool = False) -> None:
         rows, width = x.shape
         experts, two_i, w_in = gate_up.shape
         inter = two_i // 2
         top_k = ids.shape[1]
+        out_shape = (rows, top_k, width) if slots else (rows, width)
         if (w_in != width or two_i % 2 or tuple(down.shape) != (experts, width, inter)
                 or tuple(ids.shape) != (rows, top_k) or tuple(weights.shape) != (rows, top_k)
-                or tuple(out.shape) != (rows, width)):
+                or tuple(out.shape) != out_shape):
             raise UserError(f"routed experts: shapes do not fit: x {list(x.shape)}, ids "
                             f"{list(ids.shape)}, weights {list(weights.shape)}, gate_up "
                             f"{list(gate_up.shape)}, down {list(down.shape)}, out "
@@ -392,10 +395,17 @@ class RoutedExperts:
         self.tiles_dn = triton.cdiv(width, self.bn_dn)
         # whole tiles of K, a power of two of them (one [block_n, pre * block_k] load)
         self.pre = _pow2_floor(min(t.pre, triton.cdiv(inter, self.block_k)))
-        slots = rows * top_k
-        self.h = scratch(out.device, "moe_h", slots * inter, torch.bfloat16).view(slots, inter)
-        self.y = scratch(out.device, "moe_y", slots * width, torch.float32).view(slots, width)
-        self.combine = bool(t.combine)
+        count = rows * top_k
+        self.h = scratch(out.device, "moe_h", count * inter, torch.bfloat16).view(count, inter)
+        self.slots = slots
+        if slots:
+            if out.dtype != torch.float32 or not out.is_contiguous():
+                raise NotImplementedError("routed experts: slots must be contiguous float32")
+            self.y = out.view(count, width)
+        else:
+            self.y = scratch(out.device, "moe_y", count * width,
+                             torch.float32).view(count, width)
+        self.combine = bool(t.combine) and not slots
         # rows the fused combine sums at a time: [rows, k, block_n] float32, 16 K elements
         self.combine_rows = max(1, min(next_pow2(rows), 16384 // (self.k_pad * self.bn_dn)))
         self.sem = (scratch(out.device, "moe_sem", self.tiles_dn, torch.int32, zeroed=True)
@@ -428,7 +438,7 @@ class RoutedExperts:
             BLOCK_N=self.bn_dn, EVEN_K=self.inter % self.block_k == 0, PRE=self.pre,
             COMBINE=self.combine, ACTIVE=self.active, COMBINE_ROWS=self.combine_rows,
             FENCE=not interpreting(), num_stages=self.stages_dn, **common)
-        if self.combine:
+        if self.combine or self.slots:
             return
         _moe_combine_kernel[(self.rows, triton.cdiv(self.width, COMBINE_BLOCK))](
             y, ids, out, self.width, self.top_k, self.offset, self.experts,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from stepgraph.errors import UserError
-from stepgraph.runtime.kernels.elementwise import RmsNorm
+from stepgraph.runtime.kernels.elementwise import RmsNorm, SlotSum
 from stepgraph.runtime.kernels.launch_utils import (
     dot_in_f32,
     interpreting,
@@ -163,13 +163,29 @@ def _w_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K: tl.const
 
 
 @triton.jit
+def _x_chunk(x_base, kx, k_hi, stride_xk, stride_xj, SLOTS: tl.constexpr,
+             ROUND_BF16: tl.constexpr):
+    """One chunk of the row: its values; with ``SLOTS`` > 0 the sum of the row's ``SLOTS``
+    float32 expert slots (``stride_xj`` apart) in slot order, rounded to BF16 with
+    ``ROUND_BF16`` (where the experts' own sum stores them)."""
+    x = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
+    if SLOTS > 0:
+        for j in tl.static_range(1, SLOTS):
+            x += tl.load(x_base + j * stride_xj + kx * stride_xk, mask=kx < k_hi, other=0.0)
+        if ROUND_BF16:
+            x = x.to(tl.bfloat16)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                  R, N, K, chunks_per_split,
                  stride_xr, stride_xk, stride_wn, stride_wk, stride_or, stride_on,
-                 g_ptr, eps,
+                 g_ptr, eps, stride_xj,
                  BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, DEPTH: tl.constexpr,
                  SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr,
-                 USE_PDL: tl.constexpr, NORM: tl.constexpr):
+                 USE_PDL: tl.constexpr, NORM: tl.constexpr, SLOTS: tl.constexpr,
+                 ROUND_BF16: tl.constexpr):
     """Partial (or whole) ``x[row] @ w.T`` of one weight tile and K split, for one batch row,
     without the MMA: products accumulate in float32 registers, reduced once at the end.
 
@@ -182,7 +198,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     eleventh session.) Each row of a bin re-reads the weights (through L2), so tables
     give this form to one-row bins. ``NORM`` (one split): the rows are RMS-normalized with
     weight ``g`` on the way: each chunk of x is scaled by g's chunk and its squares summed,
-    and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end."""
+    and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end. ``SLOTS``
+    > 0: the row is the sum of that many routed-expert slots (:func:`_x_chunk`), summed
+    chunk by chunk as the weights stream (the fuse pass's input combine)."""
     pid_w = tl.program_id(0)
     pid_s = tl.program_id(1)
     row = tl.program_id(2)
@@ -203,7 +221,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
         tl.extra.cuda.gdc_launch_dependents()
 
     kx = k_lo + offs_k
-    x0 = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
+    x0 = _x_chunk(x_base, kx, k_hi, stride_xk, stride_xj, SLOTS, ROUND_BF16)
     acc = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
     if NORM:
         g0 = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
@@ -211,7 +229,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     for i in range(0, chunks):
         w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
         kx = k_lo + (i + 1) * CHUNK_K + offs_k
-        x_new = tl.load(x_base + kx * stride_xk, mask=kx < k_hi, other=0.0)
+        x_new = _x_chunk(x_base, kx, k_hi, stride_xk, stride_xj, SLOTS, ROUND_BF16)
         xf = x0.to(tl.float32)
         if NORM:
             g_new = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
@@ -358,11 +376,27 @@ class SplitKGemm:
     """A prepared ``out = x @ w.T`` (all three bound once); calling it enqueues the launch
     (one kernel, two with split > 1) on the current stream. Capturable. With ``norm``, of
     ``rmsnorm(x)``: inside the GEMV form with one split, else an RMSNorm launch into a
-    scratch buffer first."""
+    scratch buffer first. With ``combine`` (the dtype the sum is stored in), ``x`` is
+    routed-expert slots ``[R, k, K]`` whose sum over k is the rows: summed inside the GEMV
+    form with one split, else by a :class:`SlotSum` launch into a scratch buffer first."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
-                 tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None
-                 ) -> None:
+                 tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None,
+                 combine: torch.dtype | None = None) -> None:
+        self.pre_sum: SlotSum | None = None
+        self.slots, self.combine = 0, combine
+        if combine is not None:
+            if x.dim() != 3:
+                raise UserError(f"split-K GEMM: slots {list(x.shape)} are not [R, k, K]")
+            gemv_one = plan_splitk(x.shape[0], w.shape[0], x.shape[2], tactic)
+            if gemv_one.gemv and gemv_one.split == 1 and x.stride(2) == 1:
+                self.slots, self.slot_stride, slots = x.shape[1], x.stride(1), x
+                x = slots[:, 0]
+            else:
+                summed = scratch(out.device, "splitk_sum", x.shape[0] * x.shape[2],
+                                 combine).view(x.shape[0], x.shape[2])
+                self.pre_sum = SlotSum(x, summed, pdl=pdl)
+                x = summed
         _check(x, w, out)
         rows, k = x.shape
         n = w.shape[0]
@@ -399,13 +433,18 @@ class SplitKGemm:
                 out.stride(0), out.stride(1))
         common = dict(SPLIT=p.split, FUSED=self.fused, FENCE=not interpreting(),
                       USE_PDL=self.pdl, num_warps=p.warps, launch_pdl=self.pdl)
+        if self.pre_sum is not None:
+            self.pre_sum()
         if self.pre_norm is not None:
             self.pre_norm()
         if p.gemv:
             norm = self.norm
             _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
+                                 self.slot_stride if self.slots else 0,
                                  BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
-                                 NORM=norm is not None, num_stages=1, **common)
+                                 NORM=norm is not None, SLOTS=self.slots,
+                                 ROUND_BF16=self.combine == torch.bfloat16, num_stages=1,
+                                 **common)
         else:
             _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,
                                    BLOCK_K=p.block_k, PRE=p.pre,

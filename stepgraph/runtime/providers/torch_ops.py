@@ -207,6 +207,14 @@ def input_norm_dtype(attrs: dict[str, Any], weight: torch.Tensor) -> torch.dtype
     return storage_dtype(attrs["input_norm_dtype"], weight.dtype)
 
 
+def input_combine_dtype(attrs: dict[str, Any], weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype a projection's fused input combine (the routed experts' slot sum) stores the
+    summed rows in this run, or None without one."""
+    if "input_combine_top_k" not in attrs:
+        return None
+    return storage_dtype(attrs["input_combine_dtype"], weight.dtype)
+
+
 def input_norm_launch(ctx: PrepareContext, x: torch.Tensor, weight: torch.Tensor
                       ) -> tuple[torch.Tensor, Launch]:
     """A projection's input norm (the fuse pass's ``input_norm_eps``) into a buffer of its
@@ -230,13 +238,21 @@ def _cublas_projection(ctx: PrepareContext) -> Launch:
     check_one_rank(ctx.node)
     x, w = ctx.inputs()[:2]
     (out,) = ctx.outputs()
-    if "input_norm_eps" not in ctx.node.attrs:
-        return matmul_launch(x, w, out, lambda: linear(x, w, out.dtype))
-    normed, norm_launch = input_norm_launch(ctx, x, ctx.inputs()[2])
-    product = matmul_launch(normed, w, out, lambda: linear(normed, w, out.dtype))
+    before: list[Launch] = []
+    combine = input_combine_dtype(ctx.node.attrs, w)
+    if combine is not None:
+        slots, x = x, torch.empty(x.shape[0], x.shape[2], dtype=combine, device=x.device)
+        before.append(lambda s=slots, d=x: d.copy_(ref_dense.combined_slots(s, d.dtype)))
+    if "input_norm_eps" in ctx.node.attrs:
+        x, norm_launch = input_norm_launch(ctx, x, ctx.inputs()[2])
+        before.append(norm_launch)
+    product = matmul_launch(x, w, out, lambda r=x: linear(r, w, out.dtype))
+    if not before:
+        return product
 
     def launch() -> None:
-        norm_launch()
+        for step in before:
+            step()
         product()
 
     return launch
@@ -296,7 +312,8 @@ for _op in ("shared_expert", "dense_mlp"):
 def routed_experts(ctx: PrepareContext) -> Launch:
     """Each row's top-k experts, weighted and summed: every local expert runs on every row
     (batched matmuls in the weights' dtype) and rows weigh the experts they did not pick by
-    zero, so no shape depends on the routing."""
+    zero, so no shape depends on the routing. With the fuse pass's ``slots`` each row's k
+    weighted expert outputs are written side by side ``[R, k, H]`` instead of summed."""
     check_one_rank(ctx.node)
     x, ids, weights, gate_up, down = ctx.inputs()
     (out,) = ctx.outputs()
@@ -313,6 +330,10 @@ def routed_experts(ctx: PrepareContext) -> Launch:
         h = torch.bmm(rows, gate_up_t)  # [E, R, 2W]
         act = gated_activation(h[..., :width], h[..., width:], attrs)
         y = torch.bmm(act, down_t)  # [E, R, H_out]
+        if attrs.get("slots"):
+            chosen = weights.float().unsqueeze(-1) * picked  # [R, k, E]
+            out.copy_(torch.einsum("rke,erh->rkh", chosen, y.float()))
+            return
         out.copy_((y.float() * combine.t().unsqueeze(-1)).sum(0))
 
     return launch

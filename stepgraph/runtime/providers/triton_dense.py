@@ -20,19 +20,21 @@ from stepgraph.runtime.kernels.launch_utils import scratch
 from stepgraph.runtime.kernels.routing import Router
 from stepgraph.runtime.kernels.splitk_gemm import InputNorm, SplitKGemm, SplitKTactic
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
-from stepgraph.runtime.providers.torch_ops import input_norm_dtype
+from stepgraph.runtime.providers.torch_ops import input_combine_dtype, input_norm_dtype
 
 
 def _projection(ctx: PrepareContext) -> Launch:
     """``out = x @ W.T`` by the split-K skinny GEMM with the bin's tactic (of the rows'
-    RMSNorm when the fuse pass gave the node an input norm)."""
+    RMSNorm when the fuse pass gave the node an input norm; x the sum of the routed experts'
+    slots when it gave the node their combine)."""
     x, weight = ctx.inputs()[:2]
     (out,) = ctx.outputs()
     tactic = SplitKTactic.from_mapping(ctx.tactic, x.shape[0])
     attrs = ctx.node.attrs
     norm = (InputNorm(ctx.inputs()[2], float(attrs["input_norm_eps"]),
                       input_norm_dtype(attrs, weight)) if "input_norm_eps" in attrs else None)
-    return SplitKGemm(x, weight, out, tactic, pdl=ctx.pdl, norm=norm)
+    return SplitKGemm(x, weight, out, tactic, pdl=ctx.pdl, norm=norm,
+                      combine=input_combine_dtype(attrs, weight))
 
 
 register("projection", "splitk", note="Triton split-K skinny GEMM, PDL")(_projection)

@@ -19,7 +19,8 @@ from stepgraph.runtime.providers.registry import Launch, PrepareContext, registe
 
 @register("routed_experts", "triton_fused_moe", note="grouped gather-by-expert GEMMs, PDL")
 def routed_experts(ctx: PrepareContext) -> Launch:
-    """The node's local experts over the rows routed to them, weighted and summed."""
+    """The node's local experts over the rows routed to them, weighted and summed (with the
+    fuse pass's ``slots``, weighted into ``[R, k, W]`` for the consumer to sum)."""
     attrs = ctx.node.attrs
     x, ids, weights, gate_up, down = ctx.inputs()
     (out,) = ctx.outputs()
@@ -31,4 +32,5 @@ def routed_experts(ctx: PrepareContext) -> Launch:
         x, ids, weights, gate_up, down, out, activation=attrs["activation"],
         beta=float(attrs.get("beta", 1.0)), beta_linear=float(attrs.get("beta_linear", 1.0)),
         expert_offset=int(attrs.get("expert_offset", 0)),
-        tactic=MoeTactic.from_mapping(ctx.tactic), pdl=ctx.pdl)
+        tactic=MoeTactic.from_mapping(ctx.tactic), pdl=ctx.pdl,
+        slots=bool(attrs.get("slots")))

@@ -224,15 +224,19 @@ class _Finder:
 
 @dataclass(frozen=True)
 class Fuse:
-    """Fuse each AttnRes prefix-sum add, mix and norm into one ``attn_res_norm`` node (see
-    the module docstring); ``enabled`` off leaves the graph as it is."""
+    """Fuse each AttnRes prefix-sum add, mix and norm into one ``attn_res_norm`` node, norms
+    into the projections they feed, and the routed experts' sum into routed_expert_up at
+    top-k up to ``combine_top_k`` (2: measured on the H200, docs/perf.md, twelfth session;
+    0 keeps every sum). See the module docstring; ``enabled`` off leaves the graph as it
+    is."""
 
     name: ClassVar[str] = "fuse"
     enabled: bool = True
     combine_top_k: int = 2
 
     def run(self, graph: Graph, ctx: CompileContext) -> PassResult:
-        """Return the graph with every fusable residual path fused."""
+        """Return the graph with every fusable residual path, projection norm and expert sum
+        fused."""
         g = graph.copy()
         if not self.enabled:
             return PassResult(g, False, "disabled")

@@ -17,7 +17,9 @@ Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``
    docs/perf.md, tenth session) no third launch runs: every down program counts itself done
    on its column tile (:func:`stepgraph.runtime.kernels.sync.arrive`), and the tile's last
    one sums the tile's columns of every row the same way (:func:`combined_rows`), in the
-   same order, so the two forms write the same bits.
+   same order, so the two forms write the same bits. With ``slots`` (the fuse pass's form:
+   its consumer, routed_expert_up, sums them) the down launch writes ``y`` into the output
+   ``[R, k, W]`` and no combine runs.
 
 The grid covers ``min(E, R * k)`` experts x tiles x ``ceil(R / BLOCK_M)`` chunks; programs
 past the active experts or rows return at once. A row's ids must be distinct (top-k).

@@ -108,11 +108,13 @@ def check_projection(rows: int, n: int, k: int, tactic: dict[str, int], out_dtyp
 def check_combined_projection(rows: int, n: int, k: int, top_k: int, tactic: dict[str, int],
                               device: str, norm: bool = True, seed: int = 0) -> float:
     """The splitk provider with the fuse pass's input combine: x is routed-expert slots
-    [rows, top_k, k] (float32), summed inside the GEMV or by a launch first. Its output must
-    equal, bit for bit, the same provider's on the slots summed apart by the slot-sum
-    kernel (slot order, stored in BF16 as the experts' own combine stores them), and the
-    reference within BF16 error; returns the relative error."""
-    from stepgraph.runtime.kernels.elementwise import SlotSum
+    [rows, top_k, k] (float32), summed inside the GEMV or by an add launch first. Its
+    output must equal, bit for bit, the same provider's on the rows the routed experts' own
+    combine launch writes from those slots (the unfused plan's), and the reference within
+    BF16 error; returns the relative error."""
+    import triton
+
+    from stepgraph.runtime.kernels import moe
     from stepgraph.runtime.providers.triton_dense import _projection
 
     gen = torch.Generator().manual_seed(seed)
@@ -126,7 +128,12 @@ def check_combined_projection(rows: int, n: int, k: int, top_k: int, tactic: dic
     node = node_of("projection", 2 + len(extra), 1, **attrs)
     _projection(context(node, [slots, w, *extra, out], tactic=tactic))()
     summed = torch.empty(rows, k, dtype=torch.bfloat16, device=device)
-    SlotSum(slots, summed)()
+    y = slots.view(rows * top_k, k)  # every slot's expert held here: ids 0 .. top_k - 1
+    ids = torch.arange(top_k, dtype=torch.int32, device=device).repeat(rows, 1)
+    moe._moe_combine_kernel[(rows, triton.cdiv(k, moe.COMBINE_BLOCK))](
+        y, ids, summed, k, top_k, 0, top_k, y.stride(0), ids.stride(0), ids.stride(1),
+        summed.stride(0), summed.stride(1), BLOCK=moe.COMBINE_BLOCK,
+        K_PAD=max(2, triton.next_power_of_2(top_k)), USE_PDL=False)
     apart = _poisoned(rows, n, torch.bfloat16, device)
     node = node_of("projection", 2 + len(extra), 1, **norm_attrs)
     _projection(context(node, [summed, w, *extra, apart], tactic=tactic))()

@@ -108,7 +108,7 @@ def check_combine_forms(rows: int, experts: int, local: int, offset: int, top_k:
     write the same bits on the same fresh inputs (both summing in slot order), twice in a
     row (the tile counters must be left at zero for the next launch), and both match the
     float32 reference. Holding every expert, the fuse pass's form too: the slots the down
-    launch leaves (NaN-poisoned first: each must be written), summed by the slot-sum kernel,
+    launch leaves (NaN-poisoned first: each must be written), summed by the add kernel,
     give the combine launch's bits, and the slots match the reference's."""
     from stepgraph.runtime.providers.triton_moe import routed_experts
 
@@ -136,7 +136,7 @@ def check_combine_forms(rows: int, experts: int, local: int, offset: int, top_k:
     assert err < TOL_BF16, f"{where}: relative error {err:.3e} against the reference"
     if local != experts:
         return
-    from stepgraph.runtime.kernels.elementwise import SlotSum
+    from stepgraph.runtime.kernels.elementwise import Add
 
     slot_attrs = {**attrs, "slots": True, "slot_dtype": "float32"}
     slots = torch.full((rows, top_k, width), float("nan"), device=device)
@@ -144,7 +144,7 @@ def check_combine_forms(rows: int, experts: int, local: int, offset: int, top_k:
                            [x, ids, wts, gate_up, down, slots], pdl=True, tactic=tactic))()
     assert not torch.isnan(slots).any(), f"{where}: a slot left unwritten"
     summed = torch.empty(rows, width, dtype=torch.bfloat16, device=device)
-    SlotSum(slots, summed)()
+    Add([slots[:, j] for j in range(top_k)], summed)()
     assert torch.equal(summed, outs[1]), f"{where}: summed slots differ from the combine"
     ref = ref_op("routed_experts", [x.float(), ids, wts, gate_up.float(), down.float()],
                  slot_attrs, [torch.float32])[0]

@@ -4,6 +4,8 @@ of one (identities)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from stepgraph.errors import UserError
@@ -118,48 +120,43 @@ def router(call: OpCall) -> list[torch.Tensor]:
     return [ids.to(torch.int32), route_weights(logits, ids, attrs).to(call.out_dtypes[1])]
 
 
-def routed_experts(call: OpCall) -> list[torch.Tensor]:
-    """Each row's top-k experts (those held here: ids in [offset, offset + local)):
-    ``down(act(gate, up))`` weighted by the router weight, summed. Experts run in ascending id
-    with their rows gathered, and accumulate with ``index_add_`` (the order HF uses)."""
-    x, ids, weights, gate_up, down = call.ins
-    attrs = call.attrs
-    offset, local, width = attrs["expert_offset"], attrs["local_experts"], attrs["width"]
-    if attrs.get("slots"):
-        return [_expert_slots(x, ids, weights, gate_up, down, attrs, call.compute)]
-    out = torch.zeros(x.shape, dtype=call.out_dtypes[0], device=x.device)
-    local_ids = ids.long() - offset
+def _weighted_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                      gate_up: torch.Tensor, down: torch.Tensor, attrs: dict
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each expert held here (ids in [offset, offset + local)), in ascending id: the rows
+    that chose it, the top-k position they chose it at, and ``down(act(gate, up))`` of those
+    rows weighted by their router weight."""
+    width, local = attrs["width"], attrs["local_experts"]
+    local_ids = ids.long() - attrs["expert_offset"]
     for expert in torch.unique(local_ids).tolist():
         if not 0 <= expert < local:
             continue
         rows, slot = torch.where(local_ids == expert)
         h = linear(x[rows], gate_up[expert], x.dtype)
         act = gated_activation(h[:, :width], h[:, width:], attrs)
-        y = linear(act, down[expert], act.dtype)
-        y = y * weights[rows, slot, None]
+        yield rows, slot, linear(act, down[expert], act.dtype) * weights[rows, slot, None]
+
+
+def routed_experts(call: OpCall) -> list[torch.Tensor]:
+    """Each row's top-k experts (those held here): ``down(act(gate, up))`` weighted by the
+    router weight, summed; experts run in ascending id with their rows gathered, and
+    accumulate with ``index_add_`` (the order HF uses). With the fuse pass's ``slots``
+    (every expert held here), row r's slot j holds its j-th expert's weighted output instead,
+    rounded to ``slot_dtype`` (where the sum adds each expert's rows), in float32
+    ``[R, k, W]``, for the consumer to sum."""
+    x, ids, weights, gate_up, down = call.ins
+    experts = _weighted_experts(x, ids, weights, gate_up, down, call.attrs)
+    if call.attrs.get("slots"):
+        dtype = storage_dtype(call.attrs["slot_dtype"], call.compute)
+        slots = torch.zeros(x.shape[0], ids.shape[1], x.shape[1], dtype=torch.float32,
+                            device=x.device)
+        for rows, slot, y in experts:
+            slots[rows, slot] = y.to(dtype).float()
+        return [slots]
+    out = torch.zeros(x.shape, dtype=call.out_dtypes[0], device=x.device)
+    for rows, _, y in experts:
         out.index_add_(0, rows, y.to(out.dtype))
     return [out]
-
-
-def _expert_slots(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor, attrs: dict,
-                  compute: torch.dtype) -> torch.Tensor:
-    """The fuse pass's form of :func:`routed_experts` (every expert held here): each row's
-    slot j holds ``weight[r, j] * down(act(gate, up))`` of its j-th expert, rounded to
-    ``slot_dtype`` (the unfused sum adds each expert's rows in that dtype), in float32
-    ``[R, k, W]``, for the consumer to sum."""
-    width = attrs["width"]
-    dtype = storage_dtype(attrs["slot_dtype"], compute)
-    slots = torch.zeros(x.shape[0], ids.shape[1], x.shape[1], dtype=torch.float32,
-                        device=x.device)
-    local_ids = ids.long() - attrs["expert_offset"]
-    for expert in torch.unique(local_ids).tolist():
-        rows, slot = torch.where(local_ids == expert)
-        h = linear(x[rows], gate_up[expert], x.dtype)
-        act = gated_activation(h[:, :width], h[:, width:], attrs)
-        y = linear(act, down[expert], act.dtype)
-        slots[rows, slot] = (y * weights[rows, slot, None]).to(dtype).float()
-    return slots
 
 
 def gated_mlp(call: OpCall) -> list[torch.Tensor]:

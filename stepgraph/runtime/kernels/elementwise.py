@@ -328,51 +328,6 @@ class RmsNorm:
             num_warps=_warps(self.block), launch_pdl=self.pdl)
 
 
-@triton.jit
-def _slot_sum_kernel(slots_ptr, out_ptr, W, stride_sr, stride_sj, stride_or,
-                     SLOTS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """``out[r, cols] = sum_j slots[r, j, cols]`` in float32, slot after slot."""
-    row = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < W
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    base = slots_ptr + row.to(tl.int64) * stride_sr + offs
-    total = tl.load(base, mask=mask, other=0.0).to(tl.float32)
-    for j in tl.static_range(1, SLOTS):
-        total += tl.load(base + j * stride_sj, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * stride_or + offs,
-             total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-SLOT_SUM_BLOCK = 1024
-
-
-class SlotSum:
-    """A prepared sum of each row's expert slots: ``out [R, W] = sum_j slots[R, j, W]`` in
-    float32 slot after slot, stored in out's dtype (the routed experts' combine, run by the
-    projection the fuse pass gave it to when the product cannot sum while it streams)."""
-
-    def __init__(self, slots: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> None:
-        if slots.dim() != 3 or (slots.shape[0], slots.shape[2]) != tuple(out.shape):
-            raise UserError(f"slot sum: slots {list(slots.shape)} for rows {list(out.shape)}")
-        if slots.stride(2) != 1 or out.stride(1) != 1:
-            raise NotImplementedError("slot sum: rows must be contiguous")
-        self.slots, self.out = slots, out
-        self.pdl = pdl_allowed(pdl, out.device)
-
-    def __call__(self) -> None:
-        """Enqueue the launch."""
-        rows, width = self.out.shape
-        if rows == 0:
-            return
-        _slot_sum_kernel[(rows, triton.cdiv(width, SLOT_SUM_BLOCK))](
-            self.slots, self.out, width, self.slots.stride(0), self.slots.stride(1),
-            self.out.stride(0), SLOTS=self.slots.shape[1], BLOCK=SLOT_SUM_BLOCK,
-            USE_PDL=self.pdl, num_warps=4, launch_pdl=self.pdl)
-
-
 class Embed:
     """A prepared gather of embedding rows: ``table[tokens]`` into ``out`` ``[R, H]``."""
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from stepgraph.errors import UserError
-from stepgraph.runtime.kernels.elementwise import RmsNorm, SlotSum
+from stepgraph.runtime.kernels.elementwise import Add, RmsNorm
 from stepgraph.runtime.kernels.launch_utils import (
     dot_in_f32,
     interpreting,
@@ -192,13 +192,15 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     Weight chunks ``[BLOCK_W, CHUNK_K]`` go straight from HBM to registers, ``DEPTH`` (2..4)
     in flight: the first ``DEPTH - 1`` are loaded before ``gdc_wait()``, and each iteration
     issues the load of chunk ``i + DEPTH - 1`` (and of the activations' next chunk) before
-    it multiplies chunk ``i``. No shared memory and no barrier in the loop, so a program
-    streams at its own pace. (Chunks through a shared-memory loop pipeline instead, chunk 0
-    in registers before the wait: slower in the step at every depth tried, docs/perf.md,
-    eleventh session.) Each row of a bin re-reads the weights (through L2), so tables
-    give this form to one-row bins. ``NORM`` (one split): the rows are RMS-normalized with
-    weight ``g`` on the way: each chunk of x is scaled by g's chunk and its squares summed,
-    and the dot products are scaled by ``rsqrt(mean square + eps)`` at the end. ``SLOTS``
+    it multiplies chunk ``i``. The weights never pass through shared memory (only x's chunk,
+    broadcast to the tile's layout: two barriers an iteration in the sm_90 code). (Chunks
+    through a shared-memory loop pipeline instead, chunk 0 in registers before the wait, or
+    loaded as BF16 pairs over unrolled register sets: slower in the step at every depth
+    tried, docs/perf.md, eleventh and twelfth sessions.) Each row of a bin re-reads the
+    weights (through L2), so tables give this form to one-row bins. ``NORM`` (one split):
+    the rows are RMS-normalized with weight ``g`` on the way: each chunk of x is scaled by
+    g's chunk and its squares summed, and the dot products are scaled by ``rsqrt(mean square
+    + eps)`` at the end. ``SLOTS``
     > 0: the row is the sum of that many routed-expert slots (:func:`_x_chunk`), summed
     chunk by chunk as the weights stream (the fuse pass's input combine)."""
     pid_w = tl.program_id(0)
@@ -378,38 +380,40 @@ class SplitKGemm:
     ``rmsnorm(x)``: inside the GEMV form with one split, else an RMSNorm launch into a
     scratch buffer first. With ``combine`` (the dtype the sum is stored in), ``x`` is
     routed-expert slots ``[R, k, K]`` whose sum over k is the rows: summed inside the GEMV
-    form with one split, else by a :class:`SlotSum` launch into a scratch buffer first."""
+    form with one split, else by an :class:`Add` launch of the k slots (float32, in slot
+    order, as the experts' own combine adds them) into a scratch buffer first."""
 
     def __init__(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
                  tactic: SplitKTactic, pdl: bool = False, norm: InputNorm | None = None,
                  combine: torch.dtype | None = None) -> None:
-        self.pre_sum: SlotSum | None = None
-        self.slots, self.combine = 0, combine
+        self.plan = plan_splitk(x.shape[0], w.shape[0], x.shape[-1], tactic)
+        inside = self.plan.gemv and self.plan.split == 1  # the row transforms run in the GEMV
+        self.before: list[Add | RmsNorm] = []  # else launches into scratch rows first
+        self.slots = self.slot_stride = 0
+        self.combine = combine
         if combine is not None:
             if x.dim() != 3:
                 raise UserError(f"split-K GEMM: slots {list(x.shape)} are not [R, k, K]")
-            gemv_one = plan_splitk(x.shape[0], w.shape[0], x.shape[2], tactic)
-            if gemv_one.gemv and gemv_one.split == 1 and x.stride(2) == 1:
-                self.slots, self.slot_stride, slots = x.shape[1], x.stride(1), x
-                x = slots[:, 0]
+            if inside and x.stride(2) == 1:
+                self.slots, self.slot_stride = x.shape[1], x.stride(1)
+                x = x[:, 0]
             else:
                 summed = scratch(out.device, "splitk_sum", x.shape[0] * x.shape[2],
                                  combine).view(x.shape[0], x.shape[2])
-                self.pre_sum = SlotSum(x, summed, pdl=pdl)
+                self.before.append(Add([x[:, j] for j in range(x.shape[1])], summed, pdl=pdl))
                 x = summed
         _check(x, w, out)
         rows, k = x.shape
         n = w.shape[0]
         self.rows, self.n, self.k = rows, n, k
-        self.plan = plan_splitk(rows, n, k, tactic)
         self.pdl = pdl_allowed(pdl, out.device)
-        self.norm, self.pre_norm = norm, None
+        self.norm = norm
         if norm is not None and tuple(norm.weight.shape) != (k,):
             raise UserError(f"split-K GEMM: input norm weight {list(norm.weight.shape)} for "
                             f"rows of {k}")
-        if norm is not None and not (self.plan.gemv and self.plan.split == 1):
+        if norm is not None and not inside:
             normed = scratch(out.device, "splitk_norm", rows * k, norm.dtype).view(rows, k)
-            self.pre_norm = RmsNorm(x, norm.weight, normed, norm.eps, pdl=pdl)
+            self.before.append(RmsNorm(x, norm.weight, normed, norm.eps, pdl=pdl))
             x, self.norm = normed, None
         self.x, self.w, self.out = x, w, out
         self.dot_f32 = dot_in_f32(w.dtype)
@@ -433,14 +437,12 @@ class SplitKGemm:
                 out.stride(0), out.stride(1))
         common = dict(SPLIT=p.split, FUSED=self.fused, FENCE=not interpreting(),
                       USE_PDL=self.pdl, num_warps=p.warps, launch_pdl=self.pdl)
-        if self.pre_sum is not None:
-            self.pre_sum()
-        if self.pre_norm is not None:
-            self.pre_norm()
+        for launch in self.before:
+            launch()
         if p.gemv:
             norm = self.norm
             _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
-                                 self.slot_stride if self.slots else 0,
+                                 self.slot_stride,
                                  BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
                                  NORM=norm is not None, SLOTS=self.slots,
                                  ROUND_BF16=self.combine == torch.bfloat16, num_stages=1,

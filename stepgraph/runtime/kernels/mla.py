@@ -65,6 +65,18 @@ def _mma(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _slot_address(slot_ptr, row, cache_ptr, block_stride, token_stride, block_size):
+    """Where row ``row`` writes in a paged cache: the start of its slot's entry, and
+    whether it writes at all (a negative slot, a padded row, writes nothing; its address is
+    slot 0's, masked off)."""
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    keep = slot >= 0
+    safe = tl.where(keep, slot, 0)
+    return (cache_ptr + (safe // block_size) * block_stride
+            + (safe % block_size) * token_stride), keep
+
+
+@triton.jit
 def _mla_cache_write_kernel(
     kv_ptr, kv_stride, norm_ptr, cache_ptr, cache_block_stride, cache_token_stride,
     slot_ptr, pos_ptr, block_size, eps, log_theta,
@@ -76,11 +88,8 @@ def _mla_cache_write_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    keep = slot >= 0
-    safe = tl.where(keep, slot, 0)
-    base = (cache_ptr + (safe // block_size) * cache_block_stride
-            + (safe % block_size) * cache_token_stride)
+    base, keep = _slot_address(slot_ptr, row, cache_ptr, cache_block_stride,
+                               cache_token_stride, block_size)
     d = tl.arange(0, BL)
     mask = d < LORA
     x = tl.load(kv_ptr + row * kv_stride + d, mask=mask, other=0.0).to(tl.float32)
@@ -248,9 +257,8 @@ def _dsa_key_write_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    slot = tl.load(slot_ptr + row).to(tl.int64)
-    keep = slot >= 0
-    safe = tl.where(keep, slot, 0)
+    base, keep = _slot_address(slot_ptr, row, kc_ptr, kc_block_stride, kc_token_stride,
+                               block_size)
     d = tl.arange(0, BID)
     mask = d < ID
     x = tl.load(k_ptr + row * k_stride + d, mask=mask, other=0.0).to(tl.float32)
@@ -267,8 +275,6 @@ def _dsa_key_write_kernel(
         partner = (xp - mean) * rstd * wp + bp
         position = tl.load(pos_ptr + row).to(tl.float32)
         y = _rope_pairs(y, partner, d, position, log_theta, ROPE)
-    base = (kc_ptr + (safe // block_size) * kc_block_stride
-            + (safe % block_size) * kc_token_stride)
     tl.store(base + d, y.to(kc_ptr.dtype.element_ty), mask=mask & keep)
 
 

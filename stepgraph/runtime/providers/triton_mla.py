@@ -87,6 +87,24 @@ def choose_splits(rows: int, heads: int, max_tokens: int, device: torch.device,
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
+def split_kv_plan(rows: int, heads: int, lora: int, max_tokens: int, cache_dtype: torch.dtype,
+                  device: torch.device, tactic: dict[str, Any]
+                  ) -> tuple[int, torch.Tensor, torch.Tensor, dict[str, int]]:
+    """The split-KV partial attention's plan, shared by MLA and DSA: the number of KV
+    splits over ``max_tokens`` cached (or selected) tokens, the float32 partial outputs
+    ``[rows, heads, splits, lora]`` and LSEs ``[rows, heads, splits]`` (shared scratch), and
+    the kernel options of ``tactic`` (head and token blocks, warps, stages)."""
+    splits = choose_splits(rows, heads, max_tokens, device, tactic)
+    partial_o = scratch(device, "mla.partial_o", rows * heads * splits * lora, torch.float32)
+    partial_lse = scratch(device, "mla.partial_lse", rows * heads * splits, torch.float32)
+    options = dict(block_h=int(tactic.get("block_h", 16)),
+                   block_n=int(tactic.get("block_n", 16 if cache_dtype == torch.float32 else 32)),
+                   num_warps=int(tactic.get("num_warps", 4)),
+                   num_stages=int(tactic.get("stages", 2)))
+    return (splits, partial_o.view(rows, heads, splits, lora),
+            partial_lse.view(rows, heads, splits), options)
+
+
 def mla_core_launch(attrs: dict[str, Any], ins: list[torch.Tensor], outs: list[torch.Tensor],
                     device: torch.device, pdl: bool, tactic: dict[str, Any] | None = None
                     ) -> Launch:
@@ -127,17 +145,10 @@ def mla_core_launch(attrs: dict[str, Any], ins: list[torch.Tensor], outs: list[t
     kv_a, fill = last_dim_operand(kv_a, "kv_a")
     fills.append(fill)
     max_tokens = block_tables.shape[1] * cache.shape[1]
-    splits = choose_splits(rows, heads, max_tokens, device, tactic)
-    partial_o = scratch(device, "mla.partial_o", rows * heads * splits * lora, torch.float32)
-    partial_o = partial_o.view(rows, heads, splits, lora)
-    partial_lse = scratch(device, "mla.partial_lse", rows * heads * splits, torch.float32)
-    partial_lse = partial_lse.view(rows, heads, splits)
+    splits, partial_o, partial_lse, options = split_kv_plan(rows, heads, lora, max_tokens,
+                                                            cache.dtype, device, tactic)
     use_pdl = pdl_allowed(pdl, device)
     dot_f32 = dot_in_f32(cache.dtype)
-    options = dict(block_h=int(tactic.get("block_h", 16)),
-                   block_n=int(tactic.get("block_n", 16 if cache.dtype == torch.float32 else 32)),
-                   num_warps=int(tactic.get("num_warps", 4)),
-                   num_stages=int(tactic.get("stages", 2)))
 
     def launch() -> None:
         for fill in fills:
@@ -328,19 +339,12 @@ def dsa_core_launch(attrs: dict[str, Any], ins: list[torch.Tensor], outs: list[t
     scores = scratch(device, "dsa.scores", rows * capacity, torch.float32).view(rows, capacity)
     picked_scores = scratch(device, "dsa.top_scores", rows * top, torch.float32).view(rows, top)
     picks = scratch(device, "dsa.picks", rows * top, torch.int64).view(rows, top)
-    splits = choose_splits(rows, heads, top, device, tactic)
-    partial_o = scratch(device, "mla.partial_o", rows * heads * splits * lora, torch.float32)
-    partial_o = partial_o.view(rows, heads, splits, lora)
-    partial_lse = scratch(device, "mla.partial_lse", rows * heads * splits, torch.float32)
-    partial_lse = partial_lse.view(rows, heads, splits)
+    splits, partial_o, partial_lse, options = split_kv_plan(rows, heads, lora, top,
+                                                            cache.dtype, device, tactic)
     use_pdl = pdl_allowed(pdl, device)
     dot_f32 = dot_in_f32(cache.dtype)
     rope = int(attrs["qk_rope_head_dim"])
     theta = attrs.get("rope_theta")
-    options = dict(block_h=int(tactic.get("block_h", 16)),
-                   block_n=int(tactic.get("block_n", 16 if cache.dtype == torch.float32 else 32)),
-                   num_warps=int(tactic.get("num_warps", 4)),
-                   num_stages=int(tactic.get("stages", 2)))
 
     def launch() -> None:
         for fill in fills:

@@ -476,9 +476,6 @@ def test_mla_kernels_compile_for_h200() -> None:
                  out_head_stride="i32", lse_ptr=f32, lse_row_stride="i32")
     compile_for_h200(mla._mla_merge_kernel, merge, dict(
         H=96, LORA=512, BLC=64, SPLITS=44, BSP=64, HAS_LSE=True, USE_PDL=True), num_warps=4)
-    compile_for_h200(mla._rmsnorm_rows_kernel, dict(
-        x_ptr=bf16, x_stride="i32", w_ptr=bf16, out_ptr=bf16, out_stride="i32", eps="fp32"),
-        dict(N=1536, BLOCK=2048, USE_PDL=True), num_warps=4)
     absorb = dict(q_ptr=bf16, q_stride="i32", kvb_ptr=bf16, pos_ptr=i32, out_ptr=bf16,
                   out_row_stride="i32", out_head_stride="i32", rows="i32", log_theta="fp32")
     for nope, rope, has_rope in ((128, 64, False), (16, 8, True)):

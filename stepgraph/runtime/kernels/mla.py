@@ -16,9 +16,10 @@ launches.
    merged LSE of this rank's tokens (-inf when none), which the cross-rank merge needs.
 
 The query and value sides (provider ``triton`` of ``mla_query`` / ``mla_value``):
-:func:`_rmsnorm_rows_kernel` (q_a's RMSNorm), :func:`_mla_absorb_kernel` (``q_nope @ W_UK`` per
-head, and the rope part, rotated when the model has rope, into q_latent) and
-:func:`_mla_value_kernel` (``o_latent @ W_UV^T`` per head times sigmoid of the output gate).
+:class:`~stepgraph.runtime.kernels.elementwise.RmsNorm` (q_a's RMSNorm, where its rows are
+stored), :func:`_mla_absorb_kernel` (``q_nope @ W_UK`` per head, and the rope part, rotated
+when the model has rope, into q_latent) and :func:`_mla_value_kernel` (``o_latent @ W_UV^T``
+per head times sigmoid of the output gate).
 
 DSA (provider ``triton_sparse`` of ``dsa_core``): :func:`_dsa_key_write_kernel` (the indexer
 key: LayerNorm, rope, written to the key cache), :func:`_dsa_index_kernel` (the lightning
@@ -397,24 +398,6 @@ def launch_merge(partial_o, partial_lse, out, lse, *, pdl: bool = False) -> None
 
 
 @triton.jit
-def _rmsnorm_rows_kernel(
-    x_ptr, x_stride, w_ptr, out_ptr, out_stride, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """RMSNorm of one row times ``w``, rounded to the output dtype."""
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < N
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps) * w
-    tl.store(out_ptr + row * out_stride + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _mla_absorb_kernel(
     q_ptr, q_stride, kvb_ptr, pos_ptr, out_ptr, out_row_stride, out_head_stride, rows,
     log_theta,
@@ -503,16 +486,6 @@ def _mla_value_kernel(
 def _row_block(rows: int) -> int:
     """Rows per program of the per-head GEMMs (tl.dot needs at least 16)."""
     return min(64, max(16, next_pow2(rows)))
-
-
-def launch_rmsnorm_rows(x, weight, out, *, eps: float, pdl: bool = False) -> None:
-    """Enqueue a row RMSNorm: ``x`` and ``out`` [rows, N] with unit column stride."""
-    rows, width = x.shape
-    use_pdl = pdl_flag(pdl)
-    _rmsnorm_rows_kernel[(rows,)](
-        x, x.stride(0), weight, out, out.stride(0), float(eps), N=width,
-        BLOCK=next_pow2(width), USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl,
-    )
 
 
 def launch_absorb(q, kv_b, positions, out, *, heads: int, nope: int, rope: int, v_dim: int,

@@ -33,6 +33,7 @@ import torch
 
 from stepgraph.errors import UserError
 from stepgraph.runtime.kernels import mla as kernels
+from stepgraph.runtime.kernels.elementwise import RmsNorm
 from stepgraph.runtime.kernels.launch_utils import dot_in_f32, interpreting, pdl_allowed, scratch
 from stepgraph.runtime.kernels.splitk_gemm import InputNorm, SplitKGemm, SplitKTactic
 from stepgraph.runtime.providers.registry import Launch, PrepareContext, register
@@ -214,9 +215,10 @@ def mla_query_launch(attrs: dict[str, Any], ins: list[torch.Tensor], outs: list[
             # the normed rows stored (DSA's indexer query reads them too)
             q_resid = scratch(device, "mla.q_resid", rows * q_a.shape[1], act).view(rows, -1)
             q_b_gemm = SplitKGemm(q_resid, q_b, query, q_b_tactic, pdl=pdl)
+            q_a_norm = RmsNorm(q_a, q_norm, q_resid, eps, pdl=pdl)
 
             def project() -> None:
-                kernels.launch_rmsnorm_rows(q_a, q_norm, q_resid, eps=eps, pdl=use_pdl)
+                q_a_norm()
                 q_b_gemm()
         else:  # the norm inside q_b's GEMV at one row (SplitKGemm's input norm)
             project = SplitKGemm(q_a, q_b, query, q_b_tactic, pdl=pdl,

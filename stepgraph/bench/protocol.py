@@ -31,7 +31,7 @@ import torch
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.lower.ref_common import OpCall, OpFn
-from stepgraph.lower.ref_dense import route_weights
+from stepgraph.lower.ref_dense import route_weights, router_scores
 from stepgraph.lower.reference import ReferenceExecutor
 from stepgraph.lower.tensors import storage_dtype
 
@@ -260,7 +260,7 @@ class Routing:
             self.decisions += rows
             ids = own[0].clone()
             ids[:rows] = forced.to(ids.dtype)
-            weights = route_weights(call.ins[0], ids, call.attrs)
+            weights = route_weights(router_scores(call.ins[0], call.attrs), ids, call.attrs)
             return [ids, weights.to(call.out_dtypes[1])]
 
         return router

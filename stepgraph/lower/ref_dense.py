@@ -96,11 +96,15 @@ def projection(call: OpCall) -> list[torch.Tensor]:
     return [linear(x, weight, call.out_dtypes[0])]
 
 
-def route_weights(logits: torch.Tensor, ids: torch.Tensor, attrs: dict) -> torch.Tensor:
-    """The routing weights of ``ids`` (a router's ``attrs``): the unbiased scores at the
-    chosen experts, renormalised and scaled (float32)."""
+def router_scores(logits: torch.Tensor, attrs: dict) -> torch.Tensor:
+    """A router's scores of its logits (``attrs``: sigmoid or softmax), in float32."""
     logits = logits.float()
-    scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
+    return logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
+
+
+def route_weights(scores: torch.Tensor, ids: torch.Tensor, attrs: dict) -> torch.Tensor:
+    """The routing weights of ``ids`` (a router's ``attrs``): the unbiased ``scores``
+    (:func:`router_scores`) at the chosen experts, renormalised and scaled (float32)."""
     weights = scores.gather(1, ids.long())
     if attrs.get("renormalize"):
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -111,13 +115,12 @@ def router(call: OpCall) -> list[torch.Tensor]:
     """Top-k routing: sigmoid or softmax scores; the correction bias enters the selection
     only; the selected (unbiased) scores are renormalised and scaled."""
     attrs = call.attrs
-    logits = call.ins[0].float()
-    scores = logits.sigmoid() if attrs["score"] == "sigmoid" else logits.softmax(-1)
+    scores = router_scores(call.ins[0], attrs)
     choice = scores
     if attrs.get("correction_bias"):
         choice = scores + call.ins[1].float()
     ids = torch.topk(choice, k=attrs["top_k"], dim=-1, sorted=False).indices
-    return [ids.to(torch.int32), route_weights(logits, ids, attrs).to(call.out_dtypes[1])]
+    return [ids.to(torch.int32), route_weights(scores, ids, attrs).to(call.out_dtypes[1])]
 
 
 def _weighted_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

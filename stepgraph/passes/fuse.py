@@ -81,6 +81,7 @@ class _Fusion:
     dropped_nodes: tuple[str, ...]
     dropped_values: tuple[str, ...]
     also: tuple[Node, ...] = ()  # further nodes it rewrites in place
+    added_values: tuple[Value, ...] = ()  # values its nodes write that the graph lacks
 
 
 class _Finder:
@@ -188,9 +189,8 @@ class _Finder:
         self.taken.update((norm.name, reader.name))
         return _Fusion(fused, (norm.name, reader.name), (normed,))
 
-    def combine_fusion(self, experts: Node, max_top_k: int) -> tuple[_Fusion, Value] | None:
-        """The experts node writing slots and its projection summing them (with the slots
-        value), or None."""
+    def combine_fusion(self, experts: Node, max_top_k: int) -> _Fusion | None:
+        """The experts node writing slots and its projection summing them, or None."""
         g = self.g
         (routed,) = experts.outputs
         readers = self.users.get(routed, [])
@@ -219,7 +219,7 @@ class _Finder:
                                "input_combine_dtype": value.type.dtype},
                         placement=reader.placement, layer=reader.layer, unit=reader.unit)
         self.taken.update((experts.name, reader.name))
-        return _Fusion(consumer, (reader.name,), (routed,), (producer,)), slots
+        return _Fusion(consumer, (reader.name,), (routed,), (producer,), (slots,))
 
 
 @dataclass(frozen=True)
@@ -237,21 +237,18 @@ class Fuse:
     def run(self, graph: Graph, ctx: CompileContext) -> PassResult:
         """Return the graph with every fusable residual path, projection norm and expert sum
         fused."""
-        g = graph.copy()
         if not self.enabled:
-            return PassResult(g, False, "disabled")
+            return PassResult(graph.copy(), False, "disabled")
         finder = _Finder(graph)
         fusions = [f for node in graph if node.op == "attn_res_mix"
                    if (f := finder.fusion(node)) is not None]
         norms = [f for node in graph if node.op == "rmsnorm"
                  if (f := finder.norm_fusion(node)) is not None]
-        _apply(g, graph, (*fusions, *norms))
+        g = _apply(graph, (*fusions, *norms))
         finder = _Finder(g)
-        combines = [found for node in list(g) if node.op == "routed_experts"
-                    if (found := finder.combine_fusion(node, self.combine_top_k)) is not None]
-        for _, slots in combines:
-            g.add_value(slots)
-        _apply(g, g.copy(), [f for f, _ in combines])
+        combines = [f for node in g if node.op == "routed_experts"
+                    if (f := finder.combine_fusion(node, self.combine_top_k)) is not None]
+        g = _apply(g, combines)
         if not fusions and not norms and not combines:
             return PassResult(g, False, "no AttnRes mix, projection norm or expert sum to fuse")
         adds = sum(len(f.dropped_nodes) - 2 for f in fusions)
@@ -262,14 +259,18 @@ class Fuse:
         return PassResult(g, True, summary)
 
 
-def _apply(g: Graph, source: Graph, fusions: Sequence[_Fusion]) -> None:
-    """Rewrite ``g`` (a copy of ``source``) with ``fusions``: fused nodes where their first
-    replaced node was, the nodes and values they replace gone."""
-    if not fusions:
-        return
+def _apply(graph: Graph, fusions: Sequence[_Fusion]) -> Graph:
+    """A copy of ``graph`` rewritten with ``fusions``: their new values added, fused nodes
+    where the replaced node of their name was, the other nodes and values they replace
+    gone."""
+    g = graph.copy()
+    for f in fusions:
+        for value in f.added_values:
+            g.add_value(value)
     replace = {n.name: n for f in fusions for n in (f.node, *f.also)}
     dropped = {name for f in fusions for name in f.dropped_nodes} - set(replace)
-    g.set_nodes(replace.get(n.name, n) for n in source if n.name not in dropped)
+    g.set_nodes(replace.get(n.name, n) for n in graph if n.name not in dropped)
     for f in fusions:
         for value in f.dropped_values:
             g.remove_value(value)
+    return g

@@ -390,7 +390,7 @@ class SplitKGemm:
         inside = self.plan.gemv and self.plan.split == 1  # the row transforms run in the GEMV
         self.before: list[Add | RmsNorm] = []  # else launches into scratch rows first
         self.slots = self.slot_stride = 0
-        self.combine = combine
+        self.round_bf16 = combine == torch.bfloat16  # the slots' sum stored in BF16
         if combine is not None:
             if x.dim() != 3:
                 raise UserError(f"split-K GEMM: slots {list(x.shape)} are not [R, k, K]")
@@ -445,7 +445,7 @@ class SplitKGemm:
                                  self.slot_stride,
                                  BLOCK_W=p.block_w, CHUNK_K=p.block_k, DEPTH=p.stages,
                                  NORM=norm is not None, SLOTS=self.slots,
-                                 ROUND_BF16=self.combine == torch.bfloat16, num_stages=1,
+                                 ROUND_BF16=self.round_bf16, num_stages=1,
                                  **common)
         else:
             _splitk_kernel[p.grid](*args, BLOCK_W=p.block_w, BLOCK_R=p.block_r,

@@ -2,12 +2,14 @@
 k3-slice-tp1's (64 experts, top-16), width 3584, expert width 3072, per row count, in CUDA
 graphs of 12 launches on random routings (PDL).
 
-Usage (GPU machine): python3 scripts/probe_moe.py
+Usage (GPU machine): python3 scripts/probe_moe.py [--one-row]
+(``--one-row``: one row only, the MMA form against the one-row GEMV form's tiles)
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 
 import torch
 
@@ -25,9 +27,23 @@ TACTICS = {  # block_m, bn_gate_up, bn_down, block_k, stages, warps
     "gu32dn16": MoeTactic(block_n_gate_up=32, block_n_down=16, block_k=256, stages=4),
     "n32w8": MoeTactic(block_n_gate_up=32, block_n_down=32, block_k=256, stages=4, warps=8),
 }
+ONE_ROW = {  # the H200 table's one-row MMA tactic against the one-row GEMV form
+    "mma": MoeTactic(stages=4, pre=1),
+    "gemv8": MoeTactic(pre=1, gemv=8),
+    "gemv16": MoeTactic(pre=1, gemv=16),
+    "gemv32": MoeTactic(pre=1, gemv=32),
+    "g8w4": MoeTactic(pre=1, gemv=8, gemv_warps=4),
+    "g16w4": MoeTactic(pre=1, gemv=16, gemv_warps=4),
+    "g32w4": MoeTactic(pre=1, gemv=32, gemv_warps=4),
+    "g64w8": MoeTactic(pre=1, gemv=64),
+}
 
 
 def main() -> None:
+    if "--one-row" in sys.argv:
+        probe(112, 2, ONE_ROW, (1,))
+        probe(64, 16, ONE_ROW, (1,))
+        return
     for experts, top_k, tactics, row_counts in (
             (112, 2, TACTICS, (1, 2, 4, 8, 16, 32, 64)),
             (64, 16, {n: TACTICS[n] for n in ("default", "st4")}, (1, 4, 16, 64))):

@@ -24,7 +24,7 @@ from stepgraph.ir.ops import OPS
 from stepgraph.spec_loader import first_error
 
 TABLES_DIR = Path(__file__).parent / "data" / "tactics"
-MATCH_KEYS = ("n", "k", "tp", "q", "verify")
+MATCH_KEYS = ("n", "k", "tp", "q", "verify", "top_k")
 
 
 class TacticsError(UserError):
@@ -283,18 +283,19 @@ class TacticTables:
         return self.data.streams
 
     def choose(self, op: str, rows: int, n: int | None = None, k: int | None = None,
-               tp: int = 1, q: int = 1) -> Choice:
+               tp: int = 1, q: int = 1, top_k: int | None = None) -> Choice:
         """The provider and tactic of ``op`` at ``rows`` rows (weight ``n`` x ``k``, TP
-        degree ``tp``, ``q`` tokens a request). Results are cached per key."""
-        key = (op, rows, n, k, tp, q)
+        degree ``tp``, ``q`` tokens a request, ``top_k`` experts a row for the MoE's ops).
+        Results are cached per key."""
+        key = (op, rows, n, k, tp, q, top_k)
         found = self._cache.get(key)
         if found is None:
-            found = self._choose(op, rows, n, k, tp, q)
+            found = self._choose(op, rows, n, k, tp, q, top_k)
             self._cache[key] = found
         return found
 
     def _choose(self, op: str, rows: int, n: int | None, k: int | None, tp: int,
-                q: int) -> Choice:
+                q: int, top_k: int | None) -> Choice:
         providers = self.providers(op)
         entry = self.data.ops[op]
         if entry.table is None:
@@ -307,7 +308,10 @@ class TacticTables:
             facts["n"] = n
         if k is not None:
             facts["k"] = k
-        shape = f"n={n} k={k} tp={tp}" + (f" q={q}" if q > 1 else "")
+        if top_k is not None:
+            facts["top_k"] = top_k
+        shape = (f"n={n} k={k} tp={tp}" + (f" q={q}" if q > 1 else "")
+                 + (f" top_k={top_k}" if top_k is not None else ""))
         for index, row in enumerate(table.rows):
             if all(facts.get(key) == value for key, value in row.match.items()):
                 tabled = next_bin(rows, row.bins)

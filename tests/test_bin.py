@@ -201,17 +201,23 @@ def test_every_node_and_bin_has_provider_tactic_and_reason() -> None:
 
 def test_routed_experts_are_looked_up_by_one_experts_gate_up_shape() -> None:
     """routed_experts takes its block sizes from the routed_experts table, matched on one
-    expert's gate_up matrix (k3-rank-tp8: 6144 x 3584): 4 stages and one pre-wait tile at
-    bin 1, 3 stages and none at bin 8; a shape the table lacks (tiny_k3) gets MoeTactic's
-    defaults (an empty tactic)."""
+    expert's gate_up matrix (6144 x 3584) and the experts a row: k3-rank-tp8 (top-2) gets
+    the one-row GEMV form (gemv 8) at bin 1, 3 stages and no pre-wait tile at bin 8;
+    k3-slice-tp1 (top-16, same shape) skips the top-2 row and keeps the MMA tiles at bin 1;
+    a shape the table lacks (tiny_k3) gets MoeTactic's defaults (an empty tactic)."""
     graph = _binned("k3_rank_tp8.yaml")
     per_bin = graph.meta["decisions"]["l1.routed_experts"]
     fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "stages", "warps", "pre")
     assert per_bin["1"]["provider"] == "triton_fused_moe"
-    assert set(per_bin["1"]["tactic"]) == set(fields)
+    assert set(per_bin["1"]["tactic"]) == {*fields, "combine", "gemv", "gemv_warps"}
+    assert per_bin["1"]["tactic"]["gemv"] == 8 and "gemv" not in per_bin["8"]["tactic"]
     assert per_bin["1"]["tactic"]["stages"] == 4 and per_bin["8"]["tactic"]["stages"] == 3
     assert per_bin["1"]["tactic"]["pre"] == 1 and per_bin["8"]["tactic"]["pre"] == 0
-    assert "routed_experts#0 [n=6144 k=3584 tp=1]" in per_bin["1"]["reason"]
+    assert "routed_experts#0 [n=6144 k=3584 tp=1 top_k=2]" in per_bin["1"]["reason"]
+    slice_bins = _binned("k3_slice_tp1.yaml").meta["decisions"]
+    top16 = next(d for name, d in slice_bins.items() if name.endswith("routed_experts"))
+    assert set(top16["1"]["tactic"]) == set(fields)
+    assert "routed_experts#1 [n=6144 k=3584 tp=1 top_k=16]" in top16["1"]["reason"]
     tiny = _binned("tiny_k3.yaml").meta["decisions"]
     routed = next(d for name, d in tiny.items() if name.endswith("routed_experts"))
     assert routed["1"]["tactic"] == {} and "no routed_experts row" in routed["1"]["reason"]

@@ -196,6 +196,12 @@ def interpreter_experts() -> None:
         (5, 16, 8, 4, 4, 40, 24, SILU, torch.bfloat16, {"combine": 1}),  # down combines
         (20, 12, 12, 0, 3, 32, 32, SITU, torch.float32,              # 2 row chunks, combined
          {"block_m": 16, "block_k": 16, "block_n_down": 16, "combine": 1}),
+        # the one-row GEMV form: 3 chunks of 512 (ragged) over W and I, other ranks' ids,
+        # the down launch's expert and first chunk before its wait
+        (1, 6, 6, 0, 3, 1100, 600, SITU, torch.bfloat16, {"gemv": 16}),
+        (1, 16, 8, 4, 4, 1030, 520, SILU, torch.float32, {"gemv": 16, "pre": 1}),
+        (1, 32, 4, 28, 2, 48, 40, SILU, torch.float32, {"gemv": 32, "gemv_warps": 4}),
+        (3, 8, 8, 0, 2, 32, 48, SITU, torch.float32, {"gemv": 16}),  # 3 rows: MMA tiles
     ]
     for seed, (rows, e, local, off, k, w, i, act, dt, tactic) in enumerate(cases):
         err = check_routed_experts(rows, e, local, off, k, w, i, act, dt, "cpu", tactic=tactic,
@@ -204,15 +210,16 @@ def interpreter_experts() -> None:
               f"{act['activation']} {dt}: {err:.2e}")
     for seed, (rows, e, local, off, k, tactic) in enumerate([
             (3, 8, 8, 0, 2, {"block_k": 16}), (5, 16, 8, 4, 4, {"block_k": 16}),
-            (20, 12, 12, 0, 3, {"block_m": 16, "block_k": 16, "block_n_down": 16})]):
+            (20, 12, 12, 0, 3, {"block_m": 16, "block_k": 16, "block_n_down": 16}),
+            (1, 12, 12, 0, 3, {"gemv": 16})]):
         check_combine_forms(rows, e, local, off, k, 40, 24, "cpu", tactic=tactic, seed=seed)
         print(f"combine forms rows={rows} E={e} local={local}+{off} k={k}: equal")
     gen = torch.Generator().manual_seed(11)
     gate_up, down = expert_weights(12, 40, 24, gen, "cpu")
-    for rows, pre in ((1, 0), (5, 0), (3, 1)):
+    for rows, pre, gemv in ((1, 0, 0), (5, 0, 0), (3, 1, 0), (1, 1, 16)):
         check_moe_chain(rows, "cpu", gate_up, down, top_k=4, replays=2,
-                        tactic={"pre": pre, "block_k": 16})
-        print(f"router -> experts chain rows={rows} pre={pre}: ok")
+                        tactic={"pre": pre, "block_k": 16, "gemv": gemv})
+        print(f"router -> experts chain rows={rows} pre={pre} gemv={gemv}: ok")
 
 
 def interpreter_router() -> None:
@@ -254,6 +261,20 @@ def sm90_moe() -> None:
             if c.name != "_moe_combine_kernel":
                 assert "async_copy" in c.ttgir or "async_tma" in c.ttgir, \
                     f"{where}: the expert loop is not pipelined"
+    for experts, gemv, warps in ((112, 16, 8), (112, 32, 8), (64, 8, 8), (112, 16, 4)):
+        launch = RoutedExperts(
+            _meta(1, width, dtype=torch.bfloat16), _meta(1, 2, dtype=torch.int32),
+            _meta(1, 2, dtype=torch.float32), _meta(experts, 2 * inter, width),
+            _meta(experts, width, inter), _meta(1, 2, width, dtype=torch.float32), **SITU,
+            tactic=MoeTactic(gemv=gemv, gemv_warps=warps, pre=1), slots=True)
+        launch.pdl = True
+        compiled = sm90_compiles(launch)
+        assert sorted(c.name for c in compiled) == ["_moe_gemv_down_kernel",
+                                                     "_moe_gemv_gate_up_kernel"], compiled
+        for c in compiled:
+            where = f"{c.name} experts={experts} gemv={gemv} warps={warps}"
+            print(f"{where}: {c.regs} regs, {c.spills} B spilled, {c.shared} B shared")
+            assert c.spills == 0 and "griddepcontrol.wait" in c.ptx, where
     for experts in (64, 112, 896):
         launch = Router(_meta(64, experts, dtype=torch.float32),
                         _meta(experts, dtype=torch.float32), _meta(64, k, dtype=torch.int32),
@@ -414,6 +435,22 @@ def check_moe_chain(rows: int, device: str, gate_up: Any, down: Any, top_k: int 
         assert err < TOL_BF16, (f"replay {replay} rows={rows} on {device}: routed experts "
                                 f"relative error {err:.3e} (NaN: unwritten; large: stale "
                                 f"routing)")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("experts", (64, 112))
+@pytest.mark.parametrize(("gemv", "warps", "pre"), ((16, 8, 1), (32, 8, 0), (8, 4, 1)))
+def test_routed_experts_gemv_gpu(experts: int, gemv: int, warps: int, pre: int,
+                                 k3_experts: dict[int, tuple[Any, Any]]) -> None:
+    """The one-row GEMV form at K3 shapes (top-16 of 64, top-2 of 112) against the float32
+    reference, alone and as the router's dependent in a replayed CUDA graph (the routing
+    poisoned before each replay: a down launch reading it before its wait too early shows)."""
+    tactic = {"gemv": gemv, "gemv_warps": warps, "pre": pre}
+    top_k = 16 if experts == 64 else 2
+    check_routed_experts(1, experts, experts, 0, top_k, 3584, 3072, SITU, torch.bfloat16,
+                         "cuda", weights=k3_experts[experts], tactic=tactic, pdl=True)
+    check_moe_chain(1, "cuda", *k3_experts[experts], top_k=top_k, tactic=tactic)
 
 
 @pytest.mark.gpu

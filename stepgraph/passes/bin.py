@@ -135,11 +135,12 @@ class Bin:
             kind = node_kind(node, layers)
             dim = rows_dim(g, node)
             n, k = matmul_shape(g, node)
-            signature = (node.op, kind, dim, n, k)
+            top_k = node.attrs.get("top_k")
+            signature = (node.op, kind, dim, n, k, top_k)
             per_bin = templates.get(signature)
             if per_bin is None:
-                per_bin = self._decide(node.op, kind, dim, n, k, bins, caps, tables, tp, q,
-                                       decision)
+                per_bin = self._decide(node.op, kind, dim, n, k, top_k, bins, caps, tables,
+                                       tp, q, decision)
                 templates[signature] = per_bin
             decisions[node.name] = per_bin  # shared by same-signature nodes: read-only
 
@@ -158,10 +159,11 @@ class Bin:
 
     @staticmethod
     def _decide(op: str, kind: str | None, dim: str | None, n: int | None, k: int | None,
-                bins: list[dict[str, Any]], caps: dict[str, int | None],
+                top_k: int | None, bins: list[dict[str, Any]], caps: dict[str, int | None],
                 tables: TacticTables, tp: int, q: int,
                 decision: Any) -> dict[str, dict[str, Any]]:
-        """The per-bin decisions of a node with this op, kind, rows dim and weight shape."""
+        """The per-bin decisions of a node with this op, kind, rows dim, weight shape and
+        experts a row (``top_k``, the MoE's ops)."""
         kind_cap = caps.get(kind) if kind is not None else None
         per_bin: dict[str, dict[str, Any]] = {}
         for entry in bins:
@@ -177,7 +179,7 @@ class Bin:
                         f"the {kd} layers take the stock path at this bin"))
             else:
                 node_rows = eval_dim(dim, rows) if dim is not None else rows
-                choice = tables.choose(op, node_rows, n, k, tp, q)
+                choice = tables.choose(op, node_rows, n, k, tp, q, top_k)
                 per_bin[str(rows)] = decision(
                     ("table", choice.provider, tuple(choice.tactic.items()), choice.reason),
                     lambda c=choice: (c.provider, dict(c.tactic), c.reason))

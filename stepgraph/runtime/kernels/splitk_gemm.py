@@ -154,7 +154,7 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
 
 
 @triton.jit
-def _w_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K: tl.constexpr):
+def weight_chunk(w_base, i, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K: tl.constexpr):
     """Chunk ``i`` of a GEMV program's weights ``[BLOCK_W, CHUNK_K]``; zeros (and no
     traffic) past ``k_hi``."""
     kk = k_lo + i * CHUNK_K + offs_k
@@ -213,11 +213,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     w_base = w_ptr + offs_w[:, None] * stride_wn
     x_base = x_ptr + row * stride_xr
 
-    w0 = _w_chunk(w_base, 0, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+    w0 = weight_chunk(w_base, 0, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
     if DEPTH >= 3:
-        w1 = _w_chunk(w_base, 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+        w1 = weight_chunk(w_base, 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
     if DEPTH >= 4:
-        w2 = _w_chunk(w_base, 2, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+        w2 = weight_chunk(w_base, 2, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -229,7 +229,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
         g0 = tl.load(g_ptr + kx, mask=kx < k_hi, other=0.0)
         squares = tl.zeros([CHUNK_K], dtype=tl.float32)
     for i in range(0, chunks):
-        w_new = _w_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+        w_new = weight_chunk(w_base, i + DEPTH - 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
         kx = k_lo + (i + 1) * CHUNK_K + offs_k
         x_new = _x_chunk(x_base, kx, k_hi, stride_xk, stride_xj, SLOTS, ROUND_BF16)
         xf = x0.to(tl.float32)

@@ -296,12 +296,13 @@ def _moe_gemv_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, W, INTER, expert_off
                              stride_xk, stride_ij, stride_ge, stride_gn, stride_gk, stride_hr,
                              beta, beta_linear,
                              BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr,
-                             DEPTH: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr):
+                             ACT: tl.constexpr, USE_PDL: tl.constexpr):
     """The one-row form of :func:`_moe_gate_up_kernel`, without the MMA: program (n-tile,
-    j) streams ``BLOCK_W`` rows of gate and of up of the row's ``j``-th expert, ``DEPTH``
-    (2..3) chunks of each in flight, products in float32 registers reduced once at the end
-    (as the dense GEMV form), and writes ``act(gate, up)`` to ``h[j]``. The expert is known
-    only once the router's output is visible, so nothing loads before the wait."""
+    j) streams ``BLOCK_W`` rows of gate and of up of the row's ``j``-th expert, the next
+    chunk of each loading while this one multiplies, products in float32 registers reduced
+    once at the end (as the dense GEMV form), and writes ``act(gate, up)`` to ``h[j]``. The
+    expert is known only once the router's output is visible: nothing loads before the
+    wait."""
     nt = tl.program_id(0)
     j = tl.program_id(1)
     if USE_PDL:
@@ -316,29 +317,18 @@ def _moe_gemv_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, W, INTER, expert_off
         u_base = g_base + INTER * stride_gn
         g0 = weight_chunk(g_base, 0, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
         u0 = weight_chunk(u_base, 0, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
-        if DEPTH >= 3:
-            g1 = weight_chunk(g_base, 1, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
-            u1 = weight_chunk(u_base, 1, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
         x0 = tl.load(x_ptr + offs_k * stride_xk, mask=offs_k < W, other=0.0)
         acc_g = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
         for i in range(0, tl.cdiv(W, CHUNK_K)):
-            g_new = weight_chunk(g_base, i + DEPTH - 1, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
-            u_new = weight_chunk(u_base, i + DEPTH - 1, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
+            g1 = weight_chunk(g_base, i + 1, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
+            u1 = weight_chunk(u_base, i + 1, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
             kx = (i + 1) * CHUNK_K + offs_k
-            x_new = tl.load(x_ptr + kx * stride_xk, mask=kx < W, other=0.0)
+            x1 = tl.load(x_ptr + kx * stride_xk, mask=kx < W, other=0.0)
             xf = x0.to(tl.float32)[None, :]
             acc_g += g0.to(tl.float32) * xf
             acc_u += u0.to(tl.float32) * xf
-            x0 = x_new
-            if DEPTH == 2:
-                g0 = g_new
-                u0 = u_new
-            else:
-                g0 = g1
-                u0 = u1
-                g1 = g_new
-                u1 = u_new
+            g0, u0, x0 = g1, u1, x1
         h = gated_act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), beta, beta_linear, ACT)
         tl.store(h_ptr + j * stride_hr + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -347,12 +337,12 @@ def _moe_gemv_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, W, INTER, expert_off
 def _moe_gemv_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr, W, INTER, expert_offset, E,
                           stride_hr, stride_ij, stride_wj, stride_de, stride_dn, stride_dk,
                           stride_yr,
-                          BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, DEPTH: tl.constexpr,
-                          PRE: tl.constexpr, USE_PDL: tl.constexpr):
-    """The one-row form of :func:`_moe_down_kernel` (the GEMV of :func:`_moe_gemv_gate_up_kernel`):
-    ``y[j, n-tile] = weight[j] * (h[j] @ down[e].T)``. ``PRE``: the routing was written two
-    launches back (as the MMA form's ``PRE``), so the expert and the first ``DEPTH - 1``
-    weight chunks load before the wait."""
+                          BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, PRE: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """The one-row form of :func:`_moe_down_kernel` (streamed as
+    :func:`_moe_gemv_gate_up_kernel`): ``y[j, n-tile] = weight[j] * (h[j] @ down[e].T)``.
+    ``PRE``: the routing was written two launches back (as the MMA form's ``PRE``), so the
+    expert and the first weight chunk load before the wait."""
     nt = tl.program_id(0)
     j = tl.program_id(1)
     if USE_PDL and not PRE:
@@ -366,8 +356,6 @@ def _moe_gemv_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr, W, INTER, expe
     d_base = (dn_ptr + tl.where(held, e, 0).to(tl.int64) * stride_de
               + offs_n[:, None] * stride_dn)
     w0 = weight_chunk(d_base, 0, 0, INTER, offs_k, n_ok, stride_dk, CHUNK_K)
-    if DEPTH >= 3:
-        w1 = weight_chunk(d_base, 1, 0, INTER, offs_k, n_ok, stride_dk, CHUNK_K)
     if USE_PDL and PRE:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -376,16 +364,11 @@ def _moe_gemv_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr, W, INTER, expe
         x0 = tl.load(h_row + offs_k, mask=offs_k < INTER, other=0.0)
         acc = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
         for i in range(0, tl.cdiv(INTER, CHUNK_K)):
-            w_new = weight_chunk(d_base, i + DEPTH - 1, 0, INTER, offs_k, n_ok, stride_dk, CHUNK_K)
+            w1 = weight_chunk(d_base, i + 1, 0, INTER, offs_k, n_ok, stride_dk, CHUNK_K)
             kx = (i + 1) * CHUNK_K + offs_k
-            x_new = tl.load(h_row + kx, mask=kx < INTER, other=0.0)
+            x1 = tl.load(h_row + kx, mask=kx < INTER, other=0.0)
             acc += w0.to(tl.float32) * x0.to(tl.float32)[None, :]
-            x0 = x_new
-            if DEPTH == 2:
-                w0 = w_new
-            else:
-                w0 = w1
-                w1 = w_new
+            w0, x0 = w1, x1
         wt = tl.load(wts_ptr + j * stride_wj).to(tl.float32)
         tl.store(y_ptr + j * stride_yr + offs_n, tl.sum(acc, axis=1) * wt, mask=offs_n < W)
 
@@ -551,7 +534,7 @@ class RoutedExperts:
         weights a chunk: gate_up's chunk holds gate's and up's rows)."""
         x, ids, wts, gu, dn, h, y = (self.x, self.ids, self.weights, self.gate_up, self.down,
                                      self.h, self.y)
-        common = dict(BLOCK_W=self.gemv, DEPTH=2, USE_PDL=self.pdl,
+        common = dict(BLOCK_W=self.gemv, USE_PDL=self.pdl,
                       num_warps=self.gemv_warps, launch_pdl=self.pdl)
         _moe_gemv_gate_up_kernel[(triton.cdiv(self.inter, self.gemv), self.top_k)](
             x, ids, gu, h, self.width, self.inter, self.offset, self.experts,

@@ -22,7 +22,7 @@ Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``
    ``[R, k, W]`` and no combine runs.
 
 At one row, tactic ``gemv`` swaps 1 and 2 for their one-row GEMV forms
-(``_moe_gemv_gate_up_kernel``, ``_moe_gemv_down_kernel``: a program per tile of
+(:mod:`stepgraph.runtime.kernels.moe_gemv`: a program per tile of
 ``gemv`` weight rows and slot ``j`` of the row, the expert ``ids[0, j]``, weights streamed
 into registers as the dense GEMV form does, no MMA); more programs than the MMA form's
 one per expert and 64 rows (k3-rank-tp8: 768 and 896 instead of 96 and 112).
@@ -54,7 +54,8 @@ from stepgraph.runtime.kernels.launch_utils import (
     scratch,
     tile_width,
 )
-from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, mma, weight_chunk
+from stepgraph.runtime.kernels.moe_gemv import moe_gemv_down_kernel, moe_gemv_gate_up_kernel
+from stepgraph.runtime.kernels.splitk_gemm import SMEM_LIMIT, mma
 from stepgraph.runtime.kernels.sync import arrive, reset
 
 ACTIVATIONS = {"silu": 0, "situ": 1}
@@ -292,88 +293,6 @@ def _moe_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr, out_ptr, sem_ptr,
 
 
 @triton.jit
-def _moe_gemv_gate_up_kernel(x_ptr, ids_ptr, gu_ptr, h_ptr, W, INTER, expert_offset, E,
-                             stride_xk, stride_ij, stride_ge, stride_gn, stride_gk, stride_hr,
-                             beta, beta_linear,
-                             BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr,
-                             ACT: tl.constexpr, USE_PDL: tl.constexpr):
-    """The one-row form of :func:`_moe_gate_up_kernel`, without the MMA: program (n-tile,
-    j) streams ``BLOCK_W`` rows of gate and of up of the row's ``j``-th expert, the next
-    chunk of each loading while this one multiplies, products in float32 registers reduced
-    once at the end (as the dense GEMV form), and writes ``act(gate, up)`` to ``h[j]``. The
-    expert is known only once the router's output is visible: nothing loads before the
-    wait."""
-    nt = tl.program_id(0)
-    j = tl.program_id(1)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    e = tl.load(ids_ptr + j * stride_ij) - expert_offset
-    if (e >= 0) & (e < E):
-        offs_n = nt * BLOCK_W + tl.arange(0, BLOCK_W)
-        n_ok = offs_n < INTER
-        offs_k = tl.arange(0, CHUNK_K)
-        g_base = gu_ptr + e.to(tl.int64) * stride_ge + offs_n[:, None] * stride_gn
-        u_base = g_base + INTER * stride_gn
-        g0 = weight_chunk(g_base, 0, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
-        u0 = weight_chunk(u_base, 0, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
-        x0 = tl.load(x_ptr + offs_k * stride_xk, mask=offs_k < W, other=0.0)
-        acc_g = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
-        for i in range(0, tl.cdiv(W, CHUNK_K)):
-            g1 = weight_chunk(g_base, i + 1, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
-            u1 = weight_chunk(u_base, i + 1, 0, W, offs_k, n_ok, stride_gk, CHUNK_K)
-            kx = (i + 1) * CHUNK_K + offs_k
-            x1 = tl.load(x_ptr + kx * stride_xk, mask=kx < W, other=0.0)
-            xf = x0.to(tl.float32)[None, :]
-            acc_g += g0.to(tl.float32) * xf
-            acc_u += u0.to(tl.float32) * xf
-            g0, u0, x0 = g1, u1, x1
-        h = gated_act(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), beta, beta_linear, ACT)
-        tl.store(h_ptr + j * stride_hr + offs_n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _moe_gemv_down_kernel(h_ptr, ids_ptr, wts_ptr, dn_ptr, y_ptr, W, INTER, expert_offset, E,
-                          stride_hr, stride_ij, stride_wj, stride_de, stride_dn, stride_dk,
-                          stride_yr,
-                          BLOCK_W: tl.constexpr, CHUNK_K: tl.constexpr, PRE: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    """The one-row form of :func:`_moe_down_kernel` (streamed as
-    :func:`_moe_gemv_gate_up_kernel`): ``y[j, n-tile] = weight[j] * (h[j] @ down[e].T)``.
-    ``PRE``: the routing was written two launches back (as the MMA form's ``PRE``), so the
-    expert and the first weight chunk load before the wait."""
-    nt = tl.program_id(0)
-    j = tl.program_id(1)
-    if USE_PDL and not PRE:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    e = tl.load(ids_ptr + j * stride_ij, cache_modifier=".cg") - expert_offset
-    held = (e >= 0) & (e < E)
-    offs_n = nt * BLOCK_W + tl.arange(0, BLOCK_W)
-    n_ok = (offs_n < W) & held
-    offs_k = tl.arange(0, CHUNK_K)
-    d_base = (dn_ptr + tl.where(held, e, 0).to(tl.int64) * stride_de
-              + offs_n[:, None] * stride_dn)
-    w0 = weight_chunk(d_base, 0, 0, INTER, offs_k, n_ok, stride_dk, CHUNK_K)
-    if USE_PDL and PRE:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    if held:
-        h_row = h_ptr + j * stride_hr
-        x0 = tl.load(h_row + offs_k, mask=offs_k < INTER, other=0.0)
-        acc = tl.zeros([BLOCK_W, CHUNK_K], dtype=tl.float32)
-        for i in range(0, tl.cdiv(INTER, CHUNK_K)):
-            w1 = weight_chunk(d_base, i + 1, 0, INTER, offs_k, n_ok, stride_dk, CHUNK_K)
-            kx = (i + 1) * CHUNK_K + offs_k
-            x1 = tl.load(h_row + kx, mask=kx < INTER, other=0.0)
-            acc += w0.to(tl.float32) * x0.to(tl.float32)[None, :]
-            w0, x0 = w1, x1
-        wt = tl.load(wts_ptr + j * stride_wj).to(tl.float32)
-        tl.store(y_ptr + j * stride_yr + offs_n, tl.sum(acc, axis=1) * wt, mask=offs_n < W)
-
-
-@triton.jit
 def _moe_combine_kernel(y_ptr, ids_ptr, out_ptr, W, TOPK, expert_offset, E,
                         stride_yr, stride_ir, stride_ij, stride_or, stride_on,
                         BLOCK: tl.constexpr, K_PAD: tl.constexpr, USE_PDL: tl.constexpr):
@@ -401,10 +320,11 @@ class MoeTactic:
     ``pre``: K tiles of down's weights each down program loads before its PDL wait (0: none;
     rounded down to a power of two); ``combine``: 1, the down launch's last program of each
     column tile sums the experts' outputs; 0, a third launch does. ``gemv`` > 0: at one
-    row, the one-row GEMV form instead of the MMA tiles (:func:`_moe_gemv_gate_up_kernel`,
-    :func:`_moe_gemv_down_kernel`): ``gemv`` weight rows a program, ``gemv_warps`` warps,
-    ``pre`` > 0 lets the down launch load its expert and first chunk before its wait, and
-    the experts' outputs are summed by the combine launch (or by the slots' consumer)."""
+    row, the one-row GEMV form instead of the MMA tiles
+    (:mod:`stepgraph.runtime.kernels.moe_gemv`): ``gemv`` weight rows a program,
+    ``gemv_warps`` warps, ``pre`` > 0 lets the down launch load its expert and first chunk
+    before its wait, and the experts' outputs are summed by the combine launch (or by the
+    slots' consumer)."""
 
     block_m: int = 0
     block_n_gate_up: int = 64
@@ -536,12 +456,12 @@ class RoutedExperts:
                                      self.h, self.y)
         common = dict(BLOCK_W=self.gemv, USE_PDL=self.pdl,
                       num_warps=self.gemv_warps, launch_pdl=self.pdl)
-        _moe_gemv_gate_up_kernel[(triton.cdiv(self.inter, self.gemv), self.top_k)](
+        moe_gemv_gate_up_kernel[(triton.cdiv(self.inter, self.gemv), self.top_k)](
             x, ids, gu, h, self.width, self.inter, self.offset, self.experts,
             x.stride(1), ids.stride(1), gu.stride(0), gu.stride(1), gu.stride(2),
             h.stride(0), self.beta, self.beta_linear, ACT=self.act,
             CHUNK_K=tile_width(2 * self.gemv), **common)
-        _moe_gemv_down_kernel[(triton.cdiv(self.width, self.gemv), self.top_k)](
+        moe_gemv_down_kernel[(triton.cdiv(self.width, self.gemv), self.top_k)](
             h, ids, wts, dn, y, self.width, self.inter, self.offset, self.experts,
             h.stride(0), ids.stride(1), wts.stride(1), dn.stride(0), dn.stride(1),
             dn.stride(2), y.stride(0), PRE=self.pre > 0, CHUNK_K=tile_width(self.gemv),

@@ -75,8 +75,11 @@ def set_field(data: dict[str, Any], op: str, field: str, value: int,
                 continue  # a provider name (no tactic), or another bin
             if len(tactic) <= where:
                 if where != len(tactic) or where < len(fields) - table.get("optional", 0):
-                    raise VariantError(f"{name} bin {rows} stops before {field}: set the "
-                                     f"fields before it in the table first")
+                    missing = ", ".join(fields[len(tactic):where])
+                    raise VariantError(f"{name} bin {rows} stops before {field}: set "
+                                       f"{missing} first (settings apply in order, e.g. "
+                                       f"{op}.{fields[len(tactic)]}=VALUE before "
+                                       f"{op}.{field}=...)")
                 tactic.append(value)
             else:
                 tactic[where] = value

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import MODELS, run_cli
 
 from stepgraph.artifact import load_artifact
@@ -129,3 +130,22 @@ def test_a_variant_table_sets_a_field_in_every_decision(tmp_path: Path) -> None:
                     assert got == value, (name, node, rows, decision)
                 else:
                     assert got in (None, 0 if field == "combine" else None), (name, node, rows)
+
+
+def test_a_variant_past_a_bins_end_names_the_fields_to_set_first(tmp_path: Path) -> None:
+    """scripts/tactics_variant.py: routed_experts' gemv lies past bins that stop at pre
+    (the top-16 row): one error line naming combine, exit status 2, no file written; with
+    combine set first the same setting goes through."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tactics_variant.py"
+    out = tmp_path / "variant.yaml"
+    refused = subprocess.run([sys.executable, str(script), "routed_experts.gemv=16",
+                              "--bin", "1", "-o", str(out)], capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "set combine first" in refused.stderr and refused.stderr.count("\n") == 1
+    assert not out.exists()
+    done = subprocess.run([sys.executable, str(script), "routed_experts.combine=0",
+                           "routed_experts.gemv=16", "--bin", "1", "-o", str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    rows = yaml.safe_load(out.read_text())["tactics"]["routed_experts"]["rows"]
+    assert all(row["bins"][1][8] == 16 for row in rows)

@@ -202,7 +202,7 @@ def test_every_node_and_bin_has_provider_tactic_and_reason() -> None:
 def test_routed_experts_are_looked_up_by_one_experts_gate_up_shape() -> None:
     """routed_experts takes its block sizes from the routed_experts table, matched on one
     expert's gate_up matrix (6144 x 3584) and the experts a row: k3-rank-tp8 (top-2) gets
-    the one-row GEMV form (gemv 8) at bin 1, 3 stages and no pre-wait tile at bin 8;
+    the one-row GEMV form (gemv 16) at bin 1, 3 stages and no pre-wait tile at bin 8;
     k3-slice-tp1 (top-16, same shape) skips the top-2 row and keeps the MMA tiles at bin 1;
     a shape the table lacks (tiny_k3) gets MoeTactic's defaults (an empty tactic)."""
     graph = _binned("k3_rank_tp8.yaml")
@@ -210,7 +210,7 @@ def test_routed_experts_are_looked_up_by_one_experts_gate_up_shape() -> None:
     fields = ("block_m", "block_n_gate_up", "block_n_down", "block_k", "stages", "warps", "pre")
     assert per_bin["1"]["provider"] == "triton_fused_moe"
     assert set(per_bin["1"]["tactic"]) == {*fields, "combine", "gemv", "gemv_warps"}
-    assert per_bin["1"]["tactic"]["gemv"] == 8 and "gemv" not in per_bin["8"]["tactic"]
+    assert per_bin["1"]["tactic"]["gemv"] == 16 and "gemv" not in per_bin["8"]["tactic"]
     assert per_bin["1"]["tactic"]["stages"] == 4 and per_bin["8"]["tactic"]["stages"] == 3
     assert per_bin["1"]["tactic"]["pre"] == 1 and per_bin["8"]["tactic"]["pre"] == 0
     assert "routed_experts#0 [n=6144 k=3584 tp=1 top_k=2]" in per_bin["1"]["reason"]

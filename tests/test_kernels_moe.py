@@ -201,6 +201,7 @@ def interpreter_experts() -> None:
         (1, 6, 6, 0, 3, 1100, 600, SITU, torch.bfloat16, {"gemv": 16}),
         (1, 16, 8, 4, 4, 1030, 520, SILU, torch.float32, {"gemv": 16, "pre": 1}),
         (1, 32, 4, 28, 2, 48, 40, SILU, torch.float32, {"gemv": 32, "gemv_warps": 4}),
+        (1, 8, 8, 0, 2, 600, 72, SITU, torch.float32, {"gemv": 8}),  # 8 rows a program
         (3, 8, 8, 0, 2, 32, 48, SITU, torch.float32, {"gemv": 16}),  # 3 rows: MMA tiles
     ]
     for seed, (rows, e, local, off, k, w, i, act, dt, tactic) in enumerate(cases):
@@ -275,6 +276,8 @@ def sm90_moe() -> None:
             where = f"{c.name} experts={experts} gemv={gemv} warps={warps}"
             print(f"{where}: {c.regs} regs, {c.spills} B spilled, {c.shared} B shared")
             assert c.spills == 0 and "griddepcontrol.wait" in c.ptx, where
+            # the tactic's rows a program reach the kernel's weight tiles
+            assert f"tensor<{gemv}x" in c.ttgir, f"{where}: no [{gemv}, K] weight tile"
     for experts in (64, 112, 896):
         launch = Router(_meta(64, experts, dtype=torch.float32),
                         _meta(experts, dtype=torch.float32), _meta(64, k, dtype=torch.int32),

@@ -25,7 +25,8 @@ At one row, tactic ``gemv`` swaps 1 and 2 for their one-row GEMV forms
 (:mod:`stepgraph.runtime.kernels.moe_gemv`: a program per tile of
 ``gemv`` weight rows and slot ``j`` of the row, the expert ``ids[0, j]``, weights streamed
 into registers as the dense GEMV form does, no MMA); more programs than the MMA form's
-one per expert and 64 rows (k3-rank-tp8: 768 and 896 instead of 96 and 112).
+one per expert and 64 rows (k3-rank-tp8 at 16 rows a program: 384 and 448 instead of
+96 and 112).
 
 The grid covers ``min(E, R * k)`` experts x tiles x ``ceil(R / BLOCK_M)`` chunks; programs
 past the active experts or rows return at once. A row's ids must be distinct (top-k).
@@ -422,13 +423,12 @@ class RoutedExperts:
         else:
             self.y = scratch(out.device, "moe_y", count * width,
                              torch.float32).view(count, width)
-        self.combine = bool(t.combine) and not slots
+        # rows a program of the one-row GEMV form (any power of two: no MMA tile minimum)
+        self.gemv = next_pow2(t.gemv) if t.gemv and rows == 1 else 0
+        self.gemv_warps = t.gemv_warps
+        self.combine = bool(t.combine) and not slots and not self.gemv
         # rows the fused combine sums at a time: [rows, k, block_n] float32, 16 K elements
         self.combine_rows = max(1, min(next_pow2(rows), 16384 // (self.k_pad * self.bn_dn)))
-        self.gemv = max(16, next_pow2(t.gemv)) if t.gemv and rows == 1 else 0
-        self.gemv_warps = t.gemv_warps
-        if self.gemv:
-            self.combine = False
         self.sem = (scratch(out.device, "moe_sem", self.tiles_dn, torch.int32, zeroed=True)
                     if self.combine else self.ids)
 

@@ -5,7 +5,7 @@ and slot ``j`` of the row, the expert ``ids[0, j]``, the weights streamed into r
 16 KB chunk at a time, the next chunk loading while this one multiplies (the dense GEMV
 form's loop, :func:`stepgraph.runtime.kernels.splitk_gemm.weight_chunk`), no MMA. At one
 row the MMA form runs one program per expert and 64 rows (k3-rank-tp8, top-2: 96 gate_up
-and 112 down programs on 132 SMs); these run 768 and 896 at 8 rows a program."""
+and 112 down programs on 132 SMs); these run 384 and 448 at 16 rows a program."""
 
 from __future__ import annotations
 

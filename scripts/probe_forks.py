@@ -12,6 +12,8 @@ the launches carrying a join, everywhere else; CUDA profiler timestamps, summed 
 median over replays).
 
 Usage (GPU machine): python3 scripts/probe_forks.py [--chain 120] [--forks 12] [--replays 20]
+(It replaces scripts/probe_graph_start.py, the eleventh session's probe of one fork's place:
+``--chain 40`` and the forms with one fork, ``at=(k,)``.)
 """
 
 from __future__ import annotations
@@ -35,20 +37,19 @@ WIDTH = 7168
 class Form:
     """One graph form: how the branches are launched and joined."""
 
-    forks: bool = True
     side_pdl: bool = True  # the branch's launches after its first use PDL
     first_side_pdl: bool = False  # the branch's first launch too (its edge is a full one)
     join_at_end: bool = False  # every branch joined once, after the chain
     root_branch: bool = False  # one more branch forked before launch 0, joined at the end
     pdl_after_join: bool = True  # the launch carrying a join is a PDL launch
-    one_fork: bool = False  # only the first branch
     at: tuple[int, ...] | None = None  # the fork points (None: every chain / forks launches)
     branch: int | None = None  # launches a branch (None: --branch)
 
 
 FORMS = {
-    "one chain": Form(forks=False),
-    "one fork": Form(one_fork=True, first_side_pdl=True),
+    "one chain": Form(at=()),
+    "one fork": Form(first_side_pdl=True, at=(0,)),
+    "one fork after kernel 20": Form(first_side_pdl=True, at=(20,)),
     "forks (as the runtime)": Form(first_side_pdl=True),
     "forks, branch's first launch no PDL": Form(),
     "forks, branch without PDL": Form(side_pdl=False),
@@ -72,9 +73,7 @@ def _graph_run(dev: torch.device, length: int, forks: int, branch: int, join_aft
     rows = [torch.randn(1, WIDTH, device=dev, dtype=torch.bfloat16) for _ in range(length + 1)]
     weight = torch.ones(WIDTH, device=dev, dtype=torch.bfloat16)
     every = max(1, length // max(1, forks))
-    at = [] if not form.forks else ([0] if form.one_fork else list(range(0, length, every)))
-    if form.forks and form.at is not None:
-        at = list(form.at)
+    at = list(range(0, length, every)) if form.at is None else list(form.at)
     branch = form.branch or branch
     joins = {i + join_after for i in at if i + join_after < length and not form.join_at_end}
     main = [RmsNorm(rows[i], weight, rows[i + 1], 1e-5,

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from stepgraph.runtime.kernels.elementwise import RmsNorm
-from stepgraph.runtime.kernels.prefetch import L2Prefetch, _prefetch_lines, byte_range
+from stepgraph.runtime.kernels.prefetch import L2Prefetch, byte_range, prefetch_lines
 from stepgraph.runtime.kernels.splitk_gemm import SplitKGemm, SplitKTactic
 
 MIB = 2**20
@@ -75,18 +75,18 @@ def _norm_prefetch_kernel(x_ptr, w_ptr, out_ptr, H, eps, pf_ptr, pf_chunks,
                           MODE: tl.constexpr, AFTER: tl.constexpr):
     """An RMSNorm of one row (program 0) whose programs also issue L2 prefetches of
     ``LINE``-byte pieces of ``pf_ptr`` (a later launch's weight; ``MODE`` as
-    :func:`_prefetch_lines`), before its PDL wait or (``AFTER``) after it: what a short launch
+    :func:`prefetch_lines`), before its PDL wait or (``AFTER``) after it: what a short launch
     of the step would do with a prefetch folded in (no launch of its own)."""
     pid = tl.program_id(0)
     if not AFTER:
-        _prefetch_lines(pf_ptr, pf_chunks, pid, PROGRAMS, 1024, LINE, MODE)
+        prefetch_lines(pf_ptr, pf_chunks, pid, PROGRAMS, 1024, LINE, MODE)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
     if AFTER:
-        _prefetch_lines(pf_ptr, pf_chunks, pid, PROGRAMS, 1024, LINE, MODE)
+        prefetch_lines(pf_ptr, pf_chunks, pid, PROGRAMS, 1024, LINE, MODE)
     if pid == 0:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         scale = tl.rsqrt(tl.sum(x * x, 0) / H + eps)

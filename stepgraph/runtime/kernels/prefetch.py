@@ -29,7 +29,7 @@ PROGRAMS = 132  # programs of one launch (one an H200 SM): lines in flight enoug
 
 
 @triton.jit
-def _prefetch_lines(base, lines, pid, PROGRAMS: tl.constexpr, STEP: tl.constexpr,
+def prefetch_lines(base, lines, pid, PROGRAMS: tl.constexpr, STEP: tl.constexpr,
                     LINE: tl.constexpr, MODE: tl.constexpr):
     """Warm ``lines`` chunks of ``LINE`` bytes from byte pointer ``base``, this program's
     share: MODE 0 ``prefetch.global.L2`` a chunk, 1 ``cp.async.bulk.prefetch.L2`` of the
@@ -61,13 +61,13 @@ def _l2_prefetch_kernel(p0, n0, p1, n1, p2, n2, p3, n3, RANGES: tl.constexpr,
     pid = tl.program_id(0)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _prefetch_lines(p0, n0, pid, PROGRAMS, STEP, LINE, MODE)
+    prefetch_lines(p0, n0, pid, PROGRAMS, STEP, LINE, MODE)
     if RANGES >= 2:
-        _prefetch_lines(p1, n1, pid, PROGRAMS, STEP, LINE, MODE)
+        prefetch_lines(p1, n1, pid, PROGRAMS, STEP, LINE, MODE)
     if RANGES >= 3:
-        _prefetch_lines(p2, n2, pid, PROGRAMS, STEP, LINE, MODE)
+        prefetch_lines(p2, n2, pid, PROGRAMS, STEP, LINE, MODE)
     if RANGES >= 4:
-        _prefetch_lines(p3, n3, pid, PROGRAMS, STEP, LINE, MODE)
+        prefetch_lines(p3, n3, pid, PROGRAMS, STEP, LINE, MODE)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 

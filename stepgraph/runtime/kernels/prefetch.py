@@ -30,7 +30,7 @@ PROGRAMS = 132  # programs of one launch (one an H200 SM): lines in flight enoug
 
 @triton.jit
 def prefetch_lines(base, lines, pid, PROGRAMS: tl.constexpr, STEP: tl.constexpr,
-                    LINE: tl.constexpr, MODE: tl.constexpr):
+                   LINE: tl.constexpr, MODE: tl.constexpr):
     """Warm ``lines`` chunks of ``LINE`` bytes from byte pointer ``base``, this program's
     share: MODE 0 ``prefetch.global.L2`` a chunk, 1 ``cp.async.bulk.prefetch.L2`` of the
     chunk, 2 an L2-only load of a chunk's first word."""

@@ -313,9 +313,10 @@ def routed_experts(ctx: PrepareContext) -> Launch:
     """Each row's top-k experts, weighted and summed: every local expert runs on every row
     (batched matmuls in the weights' dtype) and rows weigh the experts they did not pick by
     zero, so no shape depends on the routing. With the fuse pass's ``slots`` each row's k
-    weighted expert outputs are written side by side ``[R, k, H]`` instead of summed, each
-    rounded to ``slot_dtype`` in the step's dtype (the weights'; where the reference stores
-    them)."""
+    weighted expert outputs are written side by side ``[R, k, H]`` instead of summed. Both
+    forms keep the experts' outputs in float32 until they are summed (here, or by the
+    slots' consumer) and round once, as the Triton kernels do; the reference rounds each
+    expert's rows first, where HF's ``index_add_`` does (a tolerance-level difference)."""
     check_one_rank(ctx.node)
     x, ids, weights, gate_up, down = ctx.inputs()
     (out,) = ctx.outputs()
@@ -324,7 +325,6 @@ def routed_experts(ctx: PrepareContext) -> Launch:
     experts = torch.arange(offset, offset + local, device=x.device)
     dtype = gate_up.dtype
     gate_up_t, down_t = gate_up.transpose(1, 2), down.transpose(1, 2)
-    slot_dtype = storage_dtype(attrs.get("slot_dtype", "float32"), dtype)
 
     def launch() -> None:
         picked = ids.long().unsqueeze(-1) == experts  # [R, k, E]
@@ -335,8 +335,7 @@ def routed_experts(ctx: PrepareContext) -> Launch:
         y = torch.bmm(act, down_t)  # [E, R, H_out]
         if attrs.get("slots"):
             chosen = weights.float().unsqueeze(-1) * picked  # [R, k, E]
-            slots = torch.einsum("rke,erh->rkh", chosen, y.float())
-            out.copy_(slots.to(slot_dtype).float())
+            out.copy_(torch.einsum("rke,erh->rkh", chosen, y.float()))
             return
         out.copy_((y.float() * combine.t().unsqueeze(-1)).sum(0))
 

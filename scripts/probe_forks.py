@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from graph_timing import median_replay_us
 from torch.profiler import ProfilerActivity, profile
 
 from stepgraph.runtime.kernels.elementwise import Add, RmsNorm
@@ -123,14 +124,7 @@ def _captured(run: Callable[[], None], dev: torch.device) -> torch.cuda.CUDAGrap
 def _measure(graph: torch.cuda.CUDAGraph, replays: int, after_fork: set[int],
              joins: set[int]) -> dict[str, float]:
     """Median replay us and the main chain's gaps a replay, by where they sit."""
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
+    replay = median_replay_us(graph, replays)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
@@ -158,7 +152,7 @@ def _measure(graph: torch.cuda.CUDAGraph, replays: int, after_fork: set[int],
         for key, value in sums.items():
             parts[key].append(value)
     out = {key: statistics.median(values) for key, values in parts.items()}
-    out["replay"] = statistics.median(times)
+    out["replay"] = replay
     out["ahead"] = ahead
     out["span"] = statistics.median(main[r * per + per - 1][1] - main[r * per][0]
                                     for r in range(replays))

@@ -484,10 +484,14 @@ def test_mla_kernels_compile_for_h200() -> None:
             BR=64, HAS_ROPE=has_rope, DOT_F32=False, USE_PDL=True), num_warps=4)
     value = dict(o_ptr=bf16, o_row_stride="i32", o_head_stride="i32", kvb_ptr=bf16,
                  gate_ptr=bf16, gate_stride="i32", out_ptr=bf16, out_stride="i32", rows="i32")
-    for gated in (False, True):
-        compile_for_h200(mla._mla_value_kernel, value, dict(
-            NOPE=128, V=128, LORA=512, BV=32, BC=128, BR=64, GATED=gated, DOT_F32=False,
-            USE_PDL=True), num_warps=4)
+    for gated, one_shot in ((False, False), (True, False), (True, True)):
+        out = compile_for_h200(mla._mla_value_kernel, value, dict(
+            NOPE=128, V=128, LORA=512, BV=16 if one_shot else 32, BC=512 if one_shot else 128,
+            BR=16 if one_shot else 64, GATED=gated, DOT_F32=False, USE_PDL=True,
+            ONE_SHOT=one_shot), num_warps=4)
+        # the one-shot form loads its W_UV slab before the PDL wait, the chunk loop after
+        head = out["ptx"].split("griddepcontrol.wait", 1)[0]
+        assert ("ld.global" in head) == one_shot, (gated, one_shot)
 
 
 def test_reference_sees_the_context() -> None:
@@ -513,8 +517,12 @@ GPU_CASES = [
     dict(heads=12, requests=8, q_len=2, max_context=2048),
     dict(heads=96, requests=4, max_context=4096, dcp=True, padded=2),
     dict(heads=12, requests=16, max_context=4096, tactic={"split": 1}),
-    dict(heads=12, requests=1, contexts=[4095], tactic={"split": 128}),  # the H200 table's
-    dict(heads=96, requests=1, contexts=[4096], tactic={"split": 128}),  # one-row split
+    dict(heads=12, requests=1, contexts=[4095], tactic={"split": 128}),
+    # the H200 table's one-row tactic (h200.yaml, mla_core)
+    dict(heads=12, requests=1, contexts=[4095],
+         tactic={"split": 128, "block_n": 32, "num_warps": 4, "stages": 1}),
+    dict(heads=96, requests=1, contexts=[4096],
+         tactic={"split": 128, "block_n": 32, "num_warps": 4, "stages": 1}),
     dict(heads=96, requests=2, contexts=[4000, 1500], dsa=(32, 128, 2048)),
     dict(heads=12, requests=16, max_context=4096, padded=2, dsa=(32, 128, 2048)),
     dict(heads=12, requests=4, q_len=2, max_context=4096, dsa=(32, 128, 2048),

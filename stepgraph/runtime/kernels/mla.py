@@ -46,6 +46,13 @@ from stepgraph.runtime.kernels.launch_utils import interpreting, next_pow2
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MERGE_TILE = 4096  # float32 partials one merge program loads at once (splits x columns)
+# W_UV in one slab before the PDL wait up to this row block (a [16, lora] row tile and a
+# [16, lora] slab: 88 registers at 4 warps for K3's 512-wide latent); V rows a program
+# then. k3-rank-tp8 B=1 (scripts/ab_replay.py, 2026-12-01, sixteenth session): the chunk
+# loop after the wait 1473.6-1476.4 us, the slab with 32 V rows 1471.3-1473.5, with 16
+# 1471.9-1472.2.
+ONE_SHOT_ROWS = 16
+ONE_SHOT_BLOCK_V = 16
 
 
 def pdl_flag(requested: bool) -> bool:
@@ -450,10 +457,12 @@ def _mla_value_kernel(
     rows,
     NOPE: tl.constexpr, V: tl.constexpr, LORA: tl.constexpr, BV: tl.constexpr,
     BC: tl.constexpr, BR: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, ONE_SHOT: tl.constexpr,
 ):
     """out[r, h*V + v] = (o_latent[r, h] @ W_UV[h]^T)[v] (times sigmoid(gate)) for one
-    (head, V block, row block)."""
+    (head, V block, row block). ``ONE_SHOT`` (``BC`` covers the latent): the block's whole
+    W_UV slab loads before the PDL wait and one dot takes it; else the latent in ``BC``
+    chunks after the wait (too many rows for the slab and the rows in registers)."""
     h = tl.program_id(0)
     vb = tl.program_id(1)
     rb = tl.program_id(2)
@@ -462,17 +471,29 @@ def _mla_value_kernel(
     r = rb * BR + tl.arange(0, BR)
     mask_r = r < rows
     w_rows = kvb_ptr + (h * (NOPE + V) + NOPE + v[:, None]).to(tl.int64) * LORA
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    acc = tl.zeros([BR, BV], dtype=tl.float32)
     o_rows = o_ptr + r[:, None].to(tl.int64) * o_row_stride + h * o_head_stride
-    for c0 in range(0, LORA, BC):
-        c = c0 + tl.arange(0, BC)
+    if ONE_SHOT:
+        c = tl.arange(0, BC)
         mask_c = c < LORA
         w = tl.load(w_rows + c[None, :], mask=mask_v[:, None] & mask_c[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         o = tl.load(o_rows + c[None, :], mask=mask_r[:, None] & mask_c[None, :], other=0.0)
-        acc += _mma(o, tl.trans(w), DOT_F32)
+        acc = _mma(o, tl.trans(w), DOT_F32)
+    else:
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros([BR, BV], dtype=tl.float32)
+        for c0 in range(0, LORA, BC):
+            c = c0 + tl.arange(0, BC)
+            mask_c = c < LORA
+            w = tl.load(w_rows + c[None, :], mask=mask_v[:, None] & mask_c[None, :],
+                        other=0.0)
+            o = tl.load(o_rows + c[None, :], mask=mask_r[:, None] & mask_c[None, :],
+                        other=0.0)
+            acc += _mma(o, tl.trans(w), DOT_F32)
     cols = h * V + v
     mask = mask_r[:, None] & mask_v[None, :]
     if GATED:
@@ -514,13 +535,18 @@ def launch_value(o_latent, kv_b, gate, out, *, heads: int, nope: int, v_dim: int
                  dot_f32: bool, block_v: int = 32, block_c: int = 128,
                  pdl: bool = False) -> None:
     """Enqueue W_UV (and the output gate): ``o_latent`` [rows, H, lora] with unit last
-    stride, ``kv_b`` contiguous, ``gate`` / ``out`` [rows, H*v] with unit column stride."""
+    stride, ``kv_b`` contiguous, ``gate`` / ``out`` [rows, H*v] with unit column stride.
+    Up to :data:`ONE_SHOT_ROWS` rows a program the W_UV slab of a program loads before the
+    PDL wait (``block_c`` is then the whole latent)."""
     rows = o_latent.shape[0]
     lora = kv_b.shape[1]
     block_v = min(block_v, max(16, next_pow2(v_dim)))
     block_c = min(block_c, max(16, next_pow2(lora)))
     block_r = _row_block(rows)
     use_pdl = pdl_flag(pdl)
+    one_shot = block_r <= ONE_SHOT_ROWS
+    if one_shot:
+        block_v, block_c = min(ONE_SHOT_BLOCK_V, block_v), next_pow2(lora)
     grid = (heads, triton.cdiv(v_dim, block_v), triton.cdiv(rows, block_r))
     _mla_value_kernel[grid](
         o_latent, o_latent.stride(0), o_latent.stride(1), kv_b,
@@ -528,7 +554,7 @@ def launch_value(o_latent, kv_b, gate, out, *, heads: int, nope: int, v_dim: int
         out, out.stride(0), rows,
         NOPE=nope, V=v_dim, LORA=lora, BV=block_v, BC=block_c, BR=block_r,
         GATED=gate is not None, DOT_F32=dot_f32, USE_PDL=use_pdl, num_warps=4,
-        launch_pdl=use_pdl,
+        launch_pdl=use_pdl, ONE_SHOT=one_shot,
     )
 
 

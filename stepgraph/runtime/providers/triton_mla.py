@@ -51,7 +51,8 @@ MAX_SPLITS = 64
 # us, 8: 6070-6099, 16: 6089-6105. Four waves gives 64 and 9. Eleventh session (tactic
 # split): k3-rank-tp8 B=1 128 splits 1500.2-1504.3 against 1504.5-1508.1 (96: 1509-1511;
 # 16-token blocks with 64 / 128 / 256 splits 1513-1526), but k3-slice-tp1 B=1 (96 heads)
-# 2745.5-2746.0 against 2740.6-2742.2: the cap stays.
+# 2745.5-2746.0 against 2740.6-2742.2: the cap stays. At one row the H200 table's mla_core
+# row sets 128 splits with one pipeline stage (faster on both workloads, sixteenth session).
 WAVES = 4
 
 

@@ -53,6 +53,7 @@ MERGE_TILE = 4096  # float32 partials one merge program loads at once (splits x 
 # 1471.9-1472.2.
 ONE_SHOT_ROWS = 16
 ONE_SHOT_BLOCK_V = 16
+ONE_SHOT_LATENT = 512  # widest latent the slab form takes (registers measured at 512)
 
 
 def pdl_flag(requested: bool) -> bool:
@@ -536,15 +537,16 @@ def launch_value(o_latent, kv_b, gate, out, *, heads: int, nope: int, v_dim: int
                  pdl: bool = False) -> None:
     """Enqueue W_UV (and the output gate): ``o_latent`` [rows, H, lora] with unit last
     stride, ``kv_b`` contiguous, ``gate`` / ``out`` [rows, H*v] with unit column stride.
-    Up to :data:`ONE_SHOT_ROWS` rows a program the W_UV slab of a program loads before the
-    PDL wait (``block_c`` is then the whole latent)."""
+    Up to :data:`ONE_SHOT_ROWS` rows a program and a latent of up to
+    :data:`ONE_SHOT_LATENT`, the W_UV slab of a program loads before the PDL wait
+    (``block_c`` is then the whole latent)."""
     rows = o_latent.shape[0]
     lora = kv_b.shape[1]
     block_v = min(block_v, max(16, next_pow2(v_dim)))
     block_c = min(block_c, max(16, next_pow2(lora)))
     block_r = _row_block(rows)
     use_pdl = pdl_flag(pdl)
-    one_shot = block_r <= ONE_SHOT_ROWS
+    one_shot = block_r <= ONE_SHOT_ROWS and next_pow2(lora) <= ONE_SHOT_LATENT
     if one_shot:
         block_v, block_c = min(ONE_SHOT_BLOCK_V, block_v), next_pow2(lora)
     grid = (heads, triton.cdiv(v_dim, block_v), triton.cdiv(rows, block_r))

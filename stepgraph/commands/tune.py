@@ -1,14 +1,20 @@
 """``stepgraph tune ARTIFACT --out FILE [--bins 1,2,4] [--quick] [--splitk-only]``: measure
 cuBLAS and split-K tactics for every projection shape (and gated MLP gate_up shape) and bin of
 an artifact on this machine's GPU and write a tactic table file (the format of
-``stepgraph/data/tactics/h200.yaml``). Needs CUDA; torch is imported only when the command
-runs."""
+``stepgraph/data/tactics/h200.yaml``).
+
+``stepgraph tune ARTIFACT --out FILE --bins 1 --step OP.FIELD=V1,V2 [--step ...] [--table
+FILE]``: measure every combination of those tactic values of tabled ops *in the step* (the
+artifact's spec compiled once per candidate, A/B in one process on the same weights) and
+write the base table with the fastest candidate set (:mod:`stepgraph.runtime.tune_step`).
+Needs CUDA; torch is imported only when the command runs."""
 
 from __future__ import annotations
 
 import argparse
 
 from stepgraph.commands.common import parse_int_list
+from stepgraph.errors import UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -24,6 +30,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--splitk-only", action="store_true",
                         help="write the fastest split-K tactic at every shape and bin even "
                         "where cuBLAS is faster alone (cuBLAS launches break PDL chains)")
+    parser.add_argument("--step", action="append", default=[], metavar="OP.FIELD=V1,V2",
+                        help="tune these tactic values of a tabled op in the step itself "
+                        "(repeatable: every combination is measured; needs --bins)")
+    parser.add_argument("--table", help="with --step: the base table file (default: the "
+                        "target's own)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="with --step: interleaved timing rounds (default 3)")
+    parser.add_argument("--context", type=int, default=4096,
+                        help="with --step: cached tokens a request (default 4096)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
@@ -31,10 +46,36 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Measure, write the table, print the summary."""
     bins = parse_int_list(args.bins, "--bins") if args.bins else None
+    if args.step:
+        return run_step(args, bins)
+    if args.table:
+        raise UserError("--table is the base table of --step; the projection tuning writes "
+                        "its rows over the target's own table")
     from stepgraph.runtime.tune import summary, tune
 
     results = tune(args.artifact, args.out, bins=bins, quick=args.quick,
                    show_progress=not args.no_progress, splitk_only=args.splitk_only)
     print(summary(results, args.splitk_only))
     print(f"wrote {args.out}: projection rows for {len({r.shape for r in results})} shapes")
+    return 0
+
+
+def run_step(args: argparse.Namespace, bins: list[int] | None) -> int:
+    """``--step``: tune tactic values in the step, write the table, print the timings."""
+    from stepgraph.runtime.tune_step import parse_settings, summary, tune_step
+
+    parse_settings(args.step)  # a malformed setting fails before the GPU is touched
+    if args.quick or args.splitk_only:
+        raise UserError("--quick and --splitk-only belong to the projection tuning, not to "
+                        "--step")
+    if not bins:
+        raise UserError("--step needs --bins: the row counts to tune (e.g. --bins 1)")
+    if args.rounds < 1 or args.context < 1:
+        raise UserError("--rounds and --context must be positive")
+    results = tune_step(args.artifact, args.out, args.step, bins, table=args.table,
+                        rounds=args.rounds, context=args.context,
+                        show_progress=not args.no_progress)
+    print(summary(results))
+    print(f"wrote {args.out}: the base table with the fastest candidate of "
+          f"{len(results)} bin(s) set")
     return 0

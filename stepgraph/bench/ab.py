@@ -1,0 +1,79 @@
+"""A/B of compiled steps of one spec in one process: every step loaded on the same random
+weights, each one's logits from freshly filled caches checked against the first's, then the
+steps timed in interleaved rounds (A B C A B C ...), so a machine's drift shows as spread
+instead of as a difference. Used by ``stepgraph tune --step`` and ``scripts/ab_replay.py``."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from stepgraph.artifact import Artifact
+from stepgraph.bench.protocol import build_feeds, fill_caches, time_calls
+from stepgraph.bench.weights import device_random_weights
+from stepgraph.runtime import StepInputs, load
+from stepgraph.runtime.step import CompiledStep
+
+INPUT_SETS = 4  # input sets the timing rotates over, each with its own requests' slots
+
+
+@dataclass
+class Compared:
+    """One step of an A/B at one row count: its logits' distance from the first step's
+    (``||out - first|| / ||first||``; NaN when its logits hold a NaN) and the median step
+    time of each round (us)."""
+
+    error: float
+    rounds: list[float] = field(default_factory=list)
+
+    @property
+    def us(self) -> float:
+        """The median of the rounds' medians."""
+        return statistics.median(self.rounds)
+
+
+def shared_weights(artifact: Artifact, seed: int = 0, device: str = "cuda"
+                   ) -> dict[str, torch.Tensor]:
+    """Seeded random weights of ``artifact``'s graph on ``device``, for every step of an A/B
+    (the steps of one spec bind the same weights)."""
+    return device_random_weights(artifact.graph, seed, device=device)
+
+
+def load_step(artifact: Artifact, weights: dict[str, torch.Tensor], rows: Sequence[int],
+              context: int, device: str = "cuda") -> CompiledStep:
+    """Load ``artifact``'s step on ``weights`` with caches for ``context`` tokens and enough
+    requests for the input sets of the largest row count."""
+    requests = max(64, INPUT_SETS * max(rows))
+    return load(artifact, weights=weights, device=device, max_requests=requests,
+                max_context=context + 64, progress=False)
+
+
+def compare(steps: Sequence[CompiledStep], rows: int, context: int, rounds: int,
+            replays: int) -> list[Compared]:
+    """Check each step's logits against the first's, then time every step ``rounds`` times
+    in turn (``replays`` timed calls a round, after 10 untimed)."""
+    lim = steps[0].limits
+    feeds = build_feeds(rows, 1, INPUT_SETS, context, lim.block_size, lim.width, lim.vocab,
+                        rows)
+    inputs = [StepInputs.from_feed(feed) for feed in feeds]
+    results = []
+    first: torch.Tensor | None = None
+    for step in steps:
+        with torch.no_grad():
+            fill_caches(step.caches, 0)
+            logits = step.step(inputs[0]).float()
+        first = logits if first is None else first
+        if bool(torch.isnan(logits).any()):
+            error = float("nan")
+        else:
+            error = float((logits - first).norm() / first.norm().clamp_min(1e-30))
+        results.append(Compared(error))
+    for _ in range(rounds):
+        for step, result in zip(steps, results, strict=True):
+            with torch.no_grad():
+                got = time_calls(step.step, inputs, replays, 10, step.device)
+            result.rounds.append(statistics.median(got))
+    return results

@@ -1,0 +1,241 @@
+"""Tune the tactic fields of a tabled op in the step itself (``stepgraph tune ARTIFACT
+--step OP.FIELD=V1,V2 ...``): for each bin, the artifact's spec and deployment are compiled
+once per candidate (every combination of the given values set in that bin of the op's
+table, and the table as it is), every candidate's step is loaded on the same random weights,
+its logits are checked against the table's own, and the steps are timed in interleaved
+rounds (:mod:`stepgraph.bench.ab`). The fastest candidate's values go into the written
+table file (the base table otherwise), and the op's rows record every candidate's time.
+
+Why in the step: isolated launches mislead for the short kernels of a one-row step (e.g.
+MLA's split-KV tactics: 4 us a layer faster alone, nothing in the step, where the merge
+after the partial pays for it; docs/perf.md, sixteenth session). The artifact only gives
+the spec, deployment and options: every candidate, the base one included, is compiled from
+the base table (``table``, default the target's own file), so the comparison is between
+tables, whatever table the artifact was compiled with.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import itertools
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stepgraph.errors import UserError
+from stepgraph.tactics_variant import VariantError, set_field
+
+REJECT_ERROR = 5e-2  # a candidate whose logits are farther from the base's is refused
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``--step`` setting: the values to try for one tactic field of one op."""
+
+    op: str
+    field: str
+    values: tuple[int, ...]
+
+
+Candidate = tuple[tuple[str, str, int], ...]  # (op, field, value) settings; () the base
+
+
+@dataclass
+class Timed:
+    """One candidate at one bin: its logits' distance from the base's, its median step
+    time (us, the median of the rounds' medians) and each round's."""
+
+    candidate: Candidate
+    error: float
+    us: float
+    rounds: list[float]
+
+    @property
+    def label(self) -> str:
+        """``op.field=value ...`` (``the table's own`` for the base)."""
+        return " ".join(f"{op}.{f}={v}" for op, f, v in self.candidate) or "the table's own"
+
+    @property
+    def usable(self) -> bool:
+        """Whether its logits passed the check against the base's."""
+        return self.error == self.error and self.error <= REJECT_ERROR  # NaN fails
+
+
+def parse_settings(texts: Sequence[str]) -> list[Setting]:
+    """``OP.FIELD=V1,V2,...`` strings as settings; a UserError names a malformed one."""
+    settings = []
+    for text in texts:
+        key, _, values = text.partition("=")
+        op, _, field = key.partition(".")
+        parts = values.split(",")
+        if not (op and field and values) or not all(p.lstrip("-").isdigit() for p in parts):
+            raise UserError(f"--step {text!r} is not OP.FIELD=V1,V2,... with integer values "
+                            "(e.g. mla_core.split=64,128)")
+        settings.append(Setting(op, field, tuple(dict.fromkeys(int(p) for p in parts))))
+    return settings
+
+
+def candidates(settings: Sequence[Setting]) -> list[Candidate]:
+    """The base (no setting) first, then every combination of the settings' values."""
+    grid = [[(s.op, s.field, v) for v in s.values] for s in settings]
+    return [(), *(tuple(combo) for combo in itertools.product(*grid))]
+
+
+def check_settings(data: dict[str, Any], settings: Sequence[Setting], rows: int) -> None:
+    """Refuse (UserError, one line) settings the table cannot take at bin ``rows``: an op
+    without a tactic table, a field its table lacks, a bin none of its rows tabulates."""
+    for setting in settings:
+        entry = data["ops"].get(setting.op)
+        if entry is None:
+            raise UserError(f"--step {setting.op}.{setting.field}: the table has no op "
+                            f"{setting.op!r}")
+        name = entry.get("table")
+        if name is None:
+            raise UserError(f"--step {setting.op}.{setting.field}: {setting.op} has no tactic "
+                            "table in this file; add one (its fields and bins) first, or "
+                            "A/B a variant with scripts/tactics_variant.py")
+        table = data["tactics"][name]
+        if setting.field not in table["fields"]:
+            raise UserError(f"--step {setting.op}.{setting.field}: table {name} has no field "
+                            f"{setting.field!r} (fields: {', '.join(table['fields'])})")
+        tabled = sorted({int(b) for row in table["rows"] for b, t in row["bins"].items()
+                         if not isinstance(t, str)})
+        if rows not in tabled:
+            raise UserError(f"--step {setting.op}.{setting.field}: no row of table {name} "
+                            f"tabulates bin {rows} (its bins: {tabled}); tune one of those")
+
+
+def variant(data: dict[str, Any], candidate: Candidate, rows: int) -> dict[str, Any]:
+    """A copy of the table file's data with the candidate's fields set in bin ``rows``."""
+    out = copy.deepcopy(data)
+    try:
+        for op, field, value in candidate:
+            set_field(out, op, field, value, only_bin=rows)
+    except VariantError as error:
+        raise UserError(f"--step: {error}") from None
+    if candidate:
+        out["version"] = (f"{data['version']}+"
+                          + "+".join(f"{op}.{f}={v}" for op, f, v in candidate) + f"@bin{rows}")
+    return out
+
+
+def recorded(data: dict[str, Any], results: dict[int, list[Timed]], where: str
+             ) -> dict[str, Any]:
+    """The table to write: the base with each bin's fastest usable candidate set in it, and
+    every candidate's time in the source of the op's rows (``where``: GPU, date, command)."""
+    out = copy.deepcopy(data)
+    notes = []
+    for rows, timed in sorted(results.items()):
+        usable = [t for t in timed if t.usable]
+        best = min(usable, key=lambda t: t.us)
+        for op, field, value in best.candidate:
+            set_field(out, op, field, value, only_bin=rows)
+        times = "; ".join(f"{t.label} {t.us:.1f}" if t.usable else
+                          f"{t.label} refused (logits {t.error:.1e} from the table's own)"
+                          for t in timed)
+        note = f"bin {rows}: {best.label} kept, {where} (us a step: {times})"
+        notes.append(note)
+        for op in dict.fromkeys(op for t in timed for op, _, _ in t.candidate):
+            for row in out["tactics"][out["ops"][op]["table"]]["rows"]:
+                row["source"] = f"{row['source']}; {note}"
+    stamp = datetime.date.today().isoformat()
+    out["version"] = f"{data['version']}+tune-step-{stamp}"
+    out["description"] = f"{data['description']} Tuned in the step: " + " ".join(notes)
+    return out
+
+
+def write_atomically(data: dict[str, Any], out: Path) -> None:
+    """Write the table as YAML through a temporary file in the same folder (never a
+    half-written table)."""
+    handle, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent or Path("."))
+    try:
+        with os.fdopen(handle, "w") as file:
+            yaml.safe_dump(data, file, sort_keys=False)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
+              bins: Sequence[int], table: str | Path | None = None, rounds: int = 3,
+              replays: int = 50, context: int = 4096, show_progress: bool = True
+              ) -> dict[int, list[Timed]]:
+    """Measure the candidates of ``steps`` at each of ``bins`` in the step of the artifact's
+    spec and write the table file ``out`` (see the module docstring); returns the timings
+    by bin."""
+    from stepgraph.runtime.tune import require_cuda
+
+    device = require_cuda()
+    import torch
+
+    from stepgraph.artifact import Artifact, load_artifact
+    from stepgraph.bench.ab import compare, load_step, shared_weights
+    from stepgraph.compiler import compile_document
+    from stepgraph.ir.serialize import graph_from_json
+    from stepgraph.passes.pipeline import CompileOptions
+    from stepgraph.runtime.progress import progress
+    from stepgraph.spec import Deployment, Spec
+    from stepgraph.tactics import load_tables, table_path
+
+    settings = parse_settings(steps)
+    source = load_artifact(artifact_path)
+    spec = Spec.model_validate({"model": source.spec, "deployment": source.deployment})
+    options = CompileOptions(**source.document["options"])
+    base_path = Path(table) if table else table_path(spec.deployment.target)
+    data = yaml.safe_load(base_path.read_text())
+    if not bins:
+        raise UserError("--step needs --bins: the row counts to tune (e.g. --bins 1)")
+    for rows in bins:
+        check_settings(data, settings, rows)
+    grid = candidates(settings)
+    gpu = torch.cuda.get_device_name(device)
+    where = (f"measured on {gpu} {datetime.date.today().isoformat()} by stepgraph tune "
+             f"--step in the step of {spec.model.name} (context {context}, {rounds} rounds)")
+    results: dict[int, list[Timed]] = {}
+    with tempfile.TemporaryDirectory() as folder, \
+            progress(len(bins) * len(grid), "tune --step", show_progress) as advance:
+        for rows in bins:
+            deployment = Deployment.model_validate(
+                {**spec.deployment.model_dump(), "batches": [rows]})
+            loaded = []
+            weights = None
+            for index, candidate in enumerate(grid):
+                path = Path(folder) / f"bin{rows}-{index}.yaml"
+                path.write_text(yaml.safe_dump(variant(data, candidate, rows), sort_keys=False))
+                document, _ = compile_document(spec, deployment, options, tables_path=path)
+                artifact = Artifact(document, graph_from_json(document["graph"]))
+                weights = weights if weights is not None else shared_weights(artifact,
+                                                                            device=str(device))
+                loaded.append(load_step(artifact, weights, [rows], context, str(device)))
+                advance(1, f"bin {rows}: loaded {index + 1} of {len(grid)}")
+            compared = compare(loaded, rows, context, rounds, replays)
+            results[rows] = [Timed(c, r.error, r.us, r.rounds)
+                             for c, r in zip(grid, compared, strict=True)]
+            del loaded, weights
+            torch.cuda.empty_cache()
+    written = recorded(data, results, where)
+    out_path = Path(out)
+    write_atomically(written, out_path)
+    load_tables(spec.deployment.target, path=out_path)  # the file must load as a valid table
+    return results
+
+
+def summary(results: dict[int, list[Timed]]) -> str:
+    """A text table: bin, candidate, median us and the rounds, the check; the kept one
+    marked."""
+    lines = [f"{'bin':>4}  {'us':>8}  {'rounds':<26} {'logits':>8}  candidate"]
+    for rows, timed in sorted(results.items()):
+        best = min((t for t in timed if t.usable), key=lambda t: t.us)
+        for t in timed:
+            rounds = " ".join(f"{v:.1f}" for v in t.rounds)
+            mark = "  <- kept" if t is best else ("" if t.usable else "  (refused)")
+            lines.append(f"{rows:>4}  {t.us:>8.1f}  {rounds:<26} {t.error:>8.1e}  "
+                         f"{t.label}{mark}")
+    return "\n".join(lines)

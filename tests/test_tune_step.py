@@ -1,0 +1,176 @@
+"""``stepgraph tune --step``: tactic values of tabled ops measured in the step
+(:mod:`stepgraph.runtime.tune_step`) and the A/B core it shares with scripts/ab_replay.py
+(:mod:`stepgraph.bench.ab`).
+
+CPU: the settings' parsing and refusals, the variant and the written table (its decisions
+compiled back), the command's one-line errors, and the A/B core on tiny_k3 with the torch
+providers (its check tells other weights apart). GPU (``-m gpu``): the whole command on
+tiny_k3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import MODELS, run_cli
+
+from stepgraph.artifact import load_artifact
+from stepgraph.errors import UserError
+from stepgraph.runtime.tune_step import (
+    Timed,
+    candidates,
+    check_settings,
+    parse_settings,
+    recorded,
+    variant,
+)
+from stepgraph.tactics import load_tables, table_path
+
+torch = pytest.importorskip("torch")
+
+
+def h200() -> dict:
+    """The packaged H200 table file's data."""
+    return yaml.safe_load(table_path("h200").read_text())
+
+
+def test_settings_parse_into_every_combination_after_the_base() -> None:
+    settings = parse_settings(["mla_core.split=64,128", "mla_core.stages=1,2,1"])
+    assert [(s.op, s.field, s.values) for s in settings] == [
+        ("mla_core", "split", (64, 128)), ("mla_core", "stages", (1, 2))]
+    grid = candidates(settings)
+    assert grid[0] == ()
+    assert len(grid) == 1 + 2 * 2
+    assert (("mla_core", "split", 128), ("mla_core", "stages", 1)) in grid
+
+
+@pytest.mark.parametrize("text", ["mla_core.split", "mla_core=64", "mla_core.split=6x4",
+                                  ".split=64", "mla_core.split=64,"])
+def test_malformed_settings_are_refused_with_the_form_to_use(text: str) -> None:
+    with pytest.raises(UserError, match=r"OP\.FIELD=V1,V2"):
+        parse_settings([text])
+
+
+@pytest.mark.parametrize("text,rows,why", [
+    ("kda_core.block_v=16", 1, "has no tactic table"),
+    ("mla_core.warps=4", 1, "no field 'warps'"),
+    ("mla_core.split=64", 8, r"tabulates bin 8 \(its bins: \[1, 64\]\)"),
+    ("nothing.split=1", 1, "no op 'nothing'"),
+])
+def test_settings_the_table_cannot_take_are_refused(text: str, rows: int, why: str) -> None:
+    with pytest.raises(UserError, match=why):
+        check_settings(h200(), parse_settings([text]), rows)
+
+
+def test_a_variant_sets_its_values_in_its_bin_only() -> None:
+    data = h200()
+    out = variant(data, (("mla_core", "split", 96), ("mla_core", "stages", 2)), 1)
+    bins = out["tactics"]["mla_core"]["rows"][0]["bins"]
+    assert bins[1] == [96, 32, 4, 2] and bins[64] == []
+    assert data["tactics"]["mla_core"]["rows"][0]["bins"][1] == [128, 32, 4, 1]  # a copy
+    assert out["version"].endswith("+mla_core.split=96+mla_core.stages=2@bin1")
+    assert variant(data, (), 1) == data
+
+
+def test_the_written_table_keeps_the_fastest_usable_candidate(tmp_path: Path) -> None:
+    """The fastest candidate whose logits passed goes into its bin (a faster one that failed
+    the check does not); the op's rows record every time; compiled back, bin 1 takes the
+    kept values and bin 8 keeps the provider's rule."""
+    base = ()
+    slower = (("mla_core", "split", 64),)
+    kept = (("mla_core", "split", 96),)
+    broken = (("mla_core", "split", 256),)
+    results = {1: [Timed(base, 0.0, 10.0, [10.0]), Timed(slower, 0.01, 11.0, [11.0]),
+                   Timed(kept, 0.01, 9.0, [9.0]), Timed(broken, float("nan"), 5.0, [5.0])]}
+    out = recorded(h200(), results, "measured on a test")
+    table = out["tactics"]["mla_core"]
+    assert table["rows"][0]["bins"][1] == [96, 32, 4, 1]
+    source = table["rows"][0]["source"]
+    assert "bin 1: mla_core.split=96 kept, measured on a test" in source
+    assert "the table's own 10.0" in source and "mla_core.split=64 11.0" in source
+    assert "mla_core.split=256 refused" in source
+    path = tmp_path / "tuned.yaml"
+    path.write_text(yaml.safe_dump(out, sort_keys=False))
+    load_tables("h200", path=path)
+    artifact = tmp_path / "rank.sgart"
+    result = run_cli("compile", str(MODELS / "k3_rank_tp8.yaml"), "--batches", "1,8",
+                     "--tactics", str(path), "-o", str(artifact))
+    assert result.returncode == 0, result.stderr
+    decisions = load_artifact(artifact).graph.meta["decisions"]["l2.core"]
+    assert decisions["1"]["tactic"]["split"] == 96, decisions
+    assert "split" not in decisions["8"]["tactic"], decisions
+
+
+def test_the_base_candidate_wins_when_nothing_is_faster() -> None:
+    results = {1: [Timed((), 0.0, 10.0, [10.0]),
+                   Timed((("mla_core", "split", 64),), 0.0, 12.0, [12.0])]}
+    out = recorded(h200(), results, "measured on a test")
+    assert out["tactics"]["mla_core"]["rows"][0]["bins"][1] == [128, 32, 4, 1]
+    assert "bin 1: the table's own kept" in out["tactics"]["mla_core"]["rows"][0]["source"]
+
+
+@pytest.mark.parametrize("extra,why", [
+    (["--step", "mla_core.split"], "OP.FIELD=V1,V2"),
+    (["--step", "mla_core.split=64,128"], "needs --bins"),
+    (["--step", "mla_core.split=64", "--bins", "1", "--quick"], "belong to the projection"),
+    (["--table", "t.yaml"], "--table is the base table of --step"),
+])
+def test_the_command_refuses_bad_step_arguments_in_one_line(tmp_path: Path, extra: list[str],
+                                                           why: str) -> None:
+    out = tmp_path / "t.yaml"
+    result = run_cli("tune", "nothing.sgart", "--out", str(out), *extra)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.count("\n") == 1 and why in result.stderr, result.stderr
+    assert not out.exists()
+
+
+def test_the_step_mode_refuses_without_cuda(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    out = tmp_path / "t.yaml"
+    result = run_cli("tune", "nothing.sgart", "--out", str(out), "--bins", "1", "--step",
+                     "mla_core.split=64,128")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "CUDA" in result.stderr, result.stderr
+    assert not out.exists()
+
+
+def test_the_ab_core_checks_and_times_every_step_on_the_cpu(tmp_path: Path) -> None:
+    """Two loads of one tiny_k3 artifact on the same weights agree exactly; a third on other
+    weights is told apart by the check; every step gets its rounds timed."""
+    from stepgraph.bench.ab import compare, load_step, shared_weights
+
+    path = tmp_path / "tiny.sgart"
+    result = run_cli("compile", str(MODELS / "tiny_k3.yaml"), "--batches", "1,2",
+                     "--target", "cpu", "-o", str(path))
+    assert result.returncode == 0, result.stderr
+    artifact = load_artifact(path)
+    weights = shared_weights(artifact, device="cpu")
+    other = shared_weights(artifact, seed=1, device="cpu")
+    steps = [load_step(artifact, w, [2], 32, "cpu") for w in (weights, weights, other)]
+    compared = compare(steps, 2, 32, rounds=2, replays=2)
+    assert compared[0].error == 0.0 and compared[1].error == 0.0
+    assert compared[2].error > 0.1, compared[2]
+    assert all(len(c.rounds) == 2 and c.us > 0 for c in compared)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tune_step_on_gpu(tmp_path: Path) -> None:
+    """`stepgraph tune --step` on tiny_k3's MLA split tactic at one row writes a table that
+    loads and records the measurement in the mla_core row."""
+    artifact = tmp_path / "tiny.sgart"
+    result = run_cli("compile", str(MODELS / "tiny_k3.yaml"), "-o", str(artifact))
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "tuned.yaml"
+    result = run_cli("tune", str(artifact), "--out", str(out), "--bins", "1", "--step",
+                     "mla_core.split=4,8", "--rounds", "2", "--context", "256",
+                     "--no-progress")
+    assert result.returncode == 0, result.stdout + result.stderr
+    print(result.stdout)
+    tables = load_tables("h200", path=out)
+    row = tables.data.tactics["mla_core"].rows[0]
+    assert "by stepgraph tune --step" in row.source and "bin 1:" in row.source, row.source
+    assert result.stdout.count("kept") == 1, result.stdout

@@ -46,6 +46,19 @@ def test_settings_parse_into_every_combination_after_the_base() -> None:
     assert (("mla_core", "split", 128), ("mla_core", "stages", 1)) in grid
 
 
+def test_more_candidates_than_a_bin_can_load_are_refused() -> None:
+    settings = parse_settings(["mla_core.split=16,32,64,128", "mla_core.stages=1,2,3,4"])
+    with pytest.raises(UserError, match=r"17 candidates .* at most 16"):
+        candidates(settings)
+
+
+def test_nothing_is_written_when_the_base_gives_nan() -> None:
+    results = {1: [Timed((), float("nan"), 10.0, [10.0]),
+                   Timed((("mla_core", "split", 64),), float("nan"), 9.0, [9.0])]}
+    with pytest.raises(UserError, match="NaN logits"):
+        recorded(h200(), results, "measured on a test")
+
+
 @pytest.mark.parametrize("text", ["mla_core.split", "mla_core=64", "mla_core.split=6x4",
                                   ".split=64", "mla_core.split=64,"])
 def test_malformed_settings_are_refused_with_the_form_to_use(text: str) -> None:

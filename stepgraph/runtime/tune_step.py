@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import datetime
 import itertools
+import math
 import os
 import tempfile
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from stepgraph.errors import UserError
 from stepgraph.tactics_variant import VariantError, set_field
 
 REJECT_ERROR = 5e-2  # a candidate whose logits are farther from the base's is refused
+MAX_CANDIDATES = 16  # a bin's candidates are all loaded at once (weights shared, caches not)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class Timed:
     @property
     def usable(self) -> bool:
         """Whether its logits passed the check against the base's."""
-        return self.error == self.error and self.error <= REJECT_ERROR  # NaN fails
+        return not math.isnan(self.error) and self.error <= REJECT_ERROR
 
 
 def parse_settings(texts: Sequence[str]) -> list[Setting]:
@@ -82,9 +84,15 @@ def parse_settings(texts: Sequence[str]) -> list[Setting]:
 
 
 def candidates(settings: Sequence[Setting]) -> list[Candidate]:
-    """The base (no setting) first, then every combination of the settings' values."""
+    """The base (no setting) first, then every combination of the settings' values; a
+    UserError past :data:`MAX_CANDIDATES` (every candidate's step is loaded at once)."""
     grid = [[(s.op, s.field, v) for v in s.values] for s in settings]
-    return [(), *(tuple(combo) for combo in itertools.product(*grid))]
+    out: list[Candidate] = [(), *(tuple(combo) for combo in itertools.product(*grid))]
+    if len(out) > MAX_CANDIDATES:
+        raise UserError(f"--step: {len(out)} candidates with the table's own (every "
+                        f"combination of the values); at most {MAX_CANDIDATES} a bin, since "
+                        "each one's step is loaded at once: give fewer values")
+    return out
 
 
 def check_settings(data: dict[str, Any], settings: Sequence[Setting], rows: int) -> None:
@@ -112,7 +120,8 @@ def check_settings(data: dict[str, Any], settings: Sequence[Setting], rows: int)
 
 
 def variant(data: dict[str, Any], candidate: Candidate, rows: int) -> dict[str, Any]:
-    """A copy of the table file's data with the candidate's fields set in bin ``rows``."""
+    """A copy of the table file's data with the candidate's fields set in bin ``rows`` of
+    every row of the op's table (every shape a projection table holds)."""
     out = copy.deepcopy(data)
     try:
         for op, field, value in candidate:
@@ -133,6 +142,9 @@ def recorded(data: dict[str, Any], results: dict[int, list[Timed]], where: str
     notes = []
     for rows, timed in sorted(results.items()):
         usable = [t for t in timed if t.usable]
+        if not usable:
+            raise UserError(f"bin {rows}: the table's own step gave NaN logits, so no "
+                            "candidate could be checked against it; nothing written")
         best = min(usable, key=lambda t: t.us)
         for op, field, value in best.candidate:
             set_field(out, op, field, value, only_bin=rows)
@@ -232,7 +244,7 @@ def summary(results: dict[int, list[Timed]]) -> str:
     marked."""
     lines = [f"{'bin':>4}  {'us':>8}  {'rounds':<26} {'logits':>8}  candidate"]
     for rows, timed in sorted(results.items()):
-        best = min((t for t in timed if t.usable), key=lambda t: t.us)
+        best = min((t for t in timed if t.usable), key=lambda t: t.us, default=None)
         for t in timed:
             rounds = " ".join(f"{v:.1f}" for v in t.rounds)
             mark = "  <- kept" if t is best else ("" if t.usable else "  (refused)")

@@ -25,11 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from graph_timing import median_replay_us
 from torch.profiler import ProfilerActivity, profile
 
 from stepgraph.runtime.kernels.elementwise import Add, RmsNorm
 from stepgraph.runtime.side_stream import fork, join, side_stream
+from stepgraph.runtime.tune import replay_median_us
 
 WIDTH = 7168
 
@@ -124,7 +124,7 @@ def _captured(run: Callable[[], None], dev: torch.device) -> torch.cuda.CUDAGrap
 def _measure(graph: torch.cuda.CUDAGraph, replays: int, after_fork: set[int],
              joins: set[int]) -> dict[str, float]:
     """Median replay us and the main chain's gaps a replay, by where they sit."""
-    replay = median_replay_us(graph, replays)
+    replay = replay_median_us(graph, replays)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):

@@ -17,18 +17,16 @@ Files are written atomically: a temporary file in the same folder, fsync, then r
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import hashlib
 import json
-import os
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stepgraph import __version__
+from stepgraph.atomic_file import write_atomically
 from stepgraph.errors import ArtifactError
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.serialize import graph_from_json, graph_to_json
@@ -111,17 +109,7 @@ def write_artifact(document: dict[str, Any], path: str | Path) -> int:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ArtifactError(f"{path}: folder {folder} does not exist")
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        raise
+    write_atomically(path, data)
     return len(data)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from stepgraph.atomic_file import write_atomically
 from stepgraph.errors import UserError
 from stepgraph.ir.ops import OPS
 from stepgraph.spec_loader import first_error
@@ -377,3 +378,26 @@ def load_tables(target: str, path: str | Path | None = None) -> TacticTables:
         _PARSED[digest] = data
     return TacticTables(target=target, version=data.version, digest=digest, path=str(file),
                         data=data)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class _TableDumper(yaml.SafeDumper):
+    """YAML with a table's number lists (a bin's tactic, a provider list) inline."""
+
+
+def _inline_list(dumper: yaml.SafeDumper, value: list[Any]) -> yaml.Node:
+    flow = all(isinstance(v, int | str) for v in value)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=flow)
+
+
+_TableDumper.add_representer(list, _inline_list)
+
+
+def write_table_file(data: dict[str, Any], out: str | Path, header: str = "") -> None:
+    """Write a table file's data as YAML (``header``: comment lines put first), atomically
+    (:func:`stepgraph.atomic_file.write_atomically`)."""
+    text = yaml.dump(data, Dumper=_TableDumper, sort_keys=False, width=100,
+                     default_flow_style=False)
+    write_atomically(out, (header + text).encode("utf-8"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stepgraph import artifact as artifact_module
+from stepgraph import atomic_file
 from stepgraph.artifact import encode, load_artifact, write_artifact
 from stepgraph.compiler import compile_document
 from stepgraph.errors import ArtifactError
@@ -149,7 +149,7 @@ def test_atomic_write_leaves_no_partial_file(tiny: Spec, tmp_path: Path,
     def crash(fd: int) -> None:
         raise OSError("disk died")
 
-    monkeypatch.setattr(artifact_module.os, "fsync", crash)
+    monkeypatch.setattr(atomic_file.os, "fsync", crash)  # where the artifact's write syncs
     with pytest.raises(OSError, match="disk died"):
         write_artifact(_compile(tiny, tp=2), path)
     assert path.read_bytes() == before  # the old file is intact

@@ -17,6 +17,7 @@ import yaml
 from conftest import MODELS, run_cli
 
 from stepgraph.artifact import load_artifact
+from stepgraph.bench.ab import Compared
 from stepgraph.errors import UserError
 from stepgraph.runtime.tune_step import (
     Timed,
@@ -53,8 +54,8 @@ def test_more_candidates_than_a_bin_can_load_are_refused() -> None:
 
 
 def test_nothing_is_written_when_the_base_gives_nan() -> None:
-    results = {1: [Timed((), float("nan"), 10.0, [10.0]),
-                   Timed((("mla_core", "split", 64),), float("nan"), 9.0, [9.0])]}
+    results = {1: [Timed((), Compared(float("nan"), [10.0])),
+                   Timed((("mla_core", "split", 64),), Compared(float("nan"), [9.0]))]}
     with pytest.raises(UserError, match="NaN logits"):
         recorded(h200(), results, "measured on a test")
 
@@ -95,8 +96,9 @@ def test_the_written_table_keeps_the_fastest_usable_candidate(tmp_path: Path) ->
     slower = (("mla_core", "split", 64),)
     kept = (("mla_core", "split", 96),)
     broken = (("mla_core", "split", 256),)
-    results = {1: [Timed(base, 0.0, 10.0, [10.0]), Timed(slower, 0.01, 11.0, [11.0]),
-                   Timed(kept, 0.01, 9.0, [9.0]), Timed(broken, float("nan"), 5.0, [5.0])]}
+    results = {1: [Timed(base, Compared(0.0, [10.0])), Timed(slower, Compared(0.01, [11.0])),
+                   Timed(kept, Compared(0.01, [9.0])),
+                   Timed(broken, Compared(float("nan"), [5.0]))]}
     out = recorded(h200(), results, "measured on a test")
     table = out["tactics"]["mla_core"]
     assert table["rows"][0]["bins"][1] == [96, 32, 4, 1]
@@ -117,8 +119,8 @@ def test_the_written_table_keeps_the_fastest_usable_candidate(tmp_path: Path) ->
 
 
 def test_the_base_candidate_wins_when_nothing_is_faster() -> None:
-    results = {1: [Timed((), 0.0, 10.0, [10.0]),
-                   Timed((("mla_core", "split", 64),), 0.0, 12.0, [12.0])]}
+    results = {1: [Timed((), Compared(0.0, [10.0])),
+                   Timed((("mla_core", "split", 64),), Compared(0.0, [12.0]))]}
     out = recorded(h200(), results, "measured on a test")
     assert out["tactics"]["mla_core"]["rows"][0]["bins"][1] == [128, 32, 4, 1]
     assert "bin 1: the table's own kept" in out["tactics"]["mla_core"]["rows"][0]["source"]
@@ -164,7 +166,7 @@ def test_the_ab_core_checks_and_times_every_step_on_the_cpu(tmp_path: Path) -> N
     other = shared_weights(artifact, seed=1, device="cpu")
     steps = [load_step(artifact, w, [2], 32, "cpu") for w in (weights, weights, other)]
     compared = compare(steps, 2, 32, rounds=2, replays=2)
-    assert compared[0].error == 0.0 and compared[1].error == 0.0
+    assert compared[1].error == 0.0  # step 0 is the reference: its own error says nothing
     assert compared[2].error > 0.1, compared[2]
     assert all(len(c.rounds) == 2 and c.us > 0 for c in compared)
 

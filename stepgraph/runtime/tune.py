@@ -29,6 +29,7 @@ import yaml
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.runtime.kernels.launch_utils import tile_width
+from stepgraph.tactics import write_table_file
 
 PROJECTION_OPS = ("projection", "o_proj", "lm_head")
 GATED_MLP_OPS = ("shared_expert", "dense_mlp")
@@ -127,6 +128,14 @@ def time_launches(launches: Sequence[Callable[[], None]], repeats: int = 3,
                 launch()
     for _ in range(3):
         graph.replay()
+    us = replay_median_us(graph, replays) / (repeats * len(launches))
+    del graph
+    return us
+
+
+def replay_median_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Median microseconds of one replay of ``graph`` over ``replays`` replays, each timed
+    by CUDA events and synchronized."""
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
@@ -134,8 +143,7 @@ def time_launches(launches: Sequence[Callable[[], None]], repeats: int = 3,
         graph.replay()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000.0 / (repeats * len(launches)))
-    del graph
+        times.append(start.elapsed_time(stop) * 1000.0)
     return statistics.median(times)
 
 
@@ -204,21 +212,7 @@ def write_table(base_path: Path, measured: list[dict[str, Any]], out: Path, labe
                            f"{' '.join(str(data['description']).split())}")
     header = (f"# Tactic tables written by `stepgraph tune` {date} from {base_path.name}\n"
               f"# (projection rows {label}; everything else as in {base_path.name}).\n")
-    text = yaml.dump(data, Dumper=_TableDumper, sort_keys=False, width=100,
-                     default_flow_style=False)
-    out.write_text(header + text, encoding="utf-8")
-
-
-class _TableDumper(yaml.SafeDumper):
-    """YAML with tactic lists ([m_tile, n_tile, split, stages]) and match maps inline."""
-
-
-def _inline_list(dumper: yaml.SafeDumper, value: list[Any]) -> yaml.Node:
-    flow = all(isinstance(v, int | str) for v in value)
-    return dumper.represent_sequence("tag:yaml.org,2002:seq", value, flow_style=flow)
-
-
-_TableDumper.add_representer(list, _inline_list)
+    write_table_file(data, out, header)
 
 
 def require_cuda() -> torch.device:

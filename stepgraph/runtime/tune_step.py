@@ -20,17 +20,19 @@ import copy
 import datetime
 import itertools
 import math
-import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from stepgraph.errors import UserError
 from stepgraph.tactics_variant import VariantError, set_field
+
+if TYPE_CHECKING:
+    from stepgraph.bench.ab import Compared
 
 REJECT_ERROR = 5e-2  # a candidate whose logits are farther from the base's is refused
 MAX_CANDIDATES = 16  # a bin's candidates are all loaded at once (weights shared, caches not)
@@ -50,13 +52,21 @@ Candidate = tuple[tuple[str, str, int], ...]  # (op, field, value) settings; () 
 
 @dataclass
 class Timed:
-    """One candidate at one bin: its logits' distance from the base's, its median step
-    time (us, the median of the rounds' medians) and each round's."""
+    """One candidate at one bin and its A/B result (the logits' distance from the base's,
+    each round's median step time)."""
 
     candidate: Candidate
-    error: float
-    us: float
-    rounds: list[float]
+    result: Compared
+
+    @property
+    def error(self) -> float:
+        """Its logits' distance from the base's."""
+        return self.result.error
+
+    @property
+    def us(self) -> float:
+        """Its median step time (us)."""
+        return self.result.us
 
     @property
     def label(self) -> str:
@@ -162,19 +172,6 @@ def recorded(data: dict[str, Any], results: dict[int, list[Timed]], where: str
     return out
 
 
-def write_atomically(data: dict[str, Any], out: Path) -> None:
-    """Write the table as YAML through a temporary file in the same folder (never a
-    half-written table)."""
-    handle, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent or Path("."))
-    try:
-        with os.fdopen(handle, "w") as file:
-            yaml.safe_dump(data, file, sort_keys=False)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
               bins: Sequence[int], table: str | Path | None = None, rounds: int = 3,
               replays: int = 50, context: int = 4096, show_progress: bool = True
@@ -194,7 +191,7 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
     from stepgraph.passes.pipeline import CompileOptions
     from stepgraph.runtime.progress import progress
     from stepgraph.spec import Deployment, Spec
-    from stepgraph.tactics import load_tables, table_path
+    from stepgraph.tactics import load_tables, table_path, write_table_file
 
     settings = parse_settings(steps)
     source = load_artifact(artifact_path)
@@ -220,7 +217,7 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
             weights = None
             for index, candidate in enumerate(grid):
                 path = Path(folder) / f"bin{rows}-{index}.yaml"
-                path.write_text(yaml.safe_dump(variant(data, candidate, rows), sort_keys=False))
+                write_table_file(variant(data, candidate, rows), path)
                 document, _ = compile_document(spec, deployment, options, tables_path=path)
                 artifact = Artifact(document, graph_from_json(document["graph"]))
                 weights = weights if weights is not None else shared_weights(artifact,
@@ -228,13 +225,13 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
                 loaded.append(load_step(artifact, weights, [rows], context, str(device)))
                 advance(1, f"bin {rows}: loaded {index + 1} of {len(grid)}")
             compared = compare(loaded, rows, context, rounds, replays)
-            results[rows] = [Timed(c, r.error, r.us, r.rounds)
+            results[rows] = [Timed(c, r)
                              for c, r in zip(grid, compared, strict=True)]
             del loaded, weights
             torch.cuda.empty_cache()
     written = recorded(data, results, where)
     out_path = Path(out)
-    write_atomically(written, out_path)
+    write_table_file(written, out_path)
     load_tables(spec.deployment.target, path=out_path)  # the file must load as a valid table
     return results
 
@@ -246,7 +243,7 @@ def summary(results: dict[int, list[Timed]]) -> str:
     for rows, timed in sorted(results.items()):
         best = min((t for t in timed if t.usable), key=lambda t: t.us, default=None)
         for t in timed:
-            rounds = " ".join(f"{v:.1f}" for v in t.rounds)
+            rounds = " ".join(f"{v:.1f}" for v in t.result.rounds)
             mark = "  <- kept" if t is best else ("" if t.usable else "  (refused)")
             lines.append(f"{rows:>4}  {t.us:>8.1f}  {rounds:<26} {t.error:>8.1e}  "
                          f"{t.label}{mark}")

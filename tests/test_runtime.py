@@ -488,3 +488,20 @@ def test_touched_experts_read_from_the_launches_match_the_reference_routing() ->
     want = touched_experts(graph, reference.last_values, rows)
     assert got == want
     assert len(got) == 5 and all(1 <= n <= 8 for n in got.values())
+
+
+def test_the_root_fork_is_enqueued_before_the_first_launch(monkeypatch) -> None:
+    """A bin plan with ``root_fork`` forks its empty launch onto the side stream before any
+    launch of the step and joins the side stream after the last; one without does not."""
+    from stepgraph.runtime import capture
+
+    events: list[str] = []
+    monkeypatch.setattr(capture, "fork_empty", lambda device: events.append("root"))
+    monkeypatch.setattr(capture, "join", lambda device: events.append("join"))
+    launches = [lambda i=i: events.append(f"launch {i}") for i in range(3)]
+    device = torch.device("cpu")
+    capture.BinPlan(1, launches, [], device=device, root_fork=True).run_eager()
+    assert events == ["root", "launch 0", "launch 1", "launch 2", "join"]
+    events.clear()
+    capture.BinPlan(1, launches, [], device=device).run_eager()
+    assert events == ["launch 0", "launch 1", "launch 2", "join"]

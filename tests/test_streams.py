@@ -93,6 +93,22 @@ def test_no_streams_keeps_program_order() -> None:
         assert order.index("shared_expert") > order.index("routed_experts")
 
 
+def test_root_fork_only_where_a_table_asks_and_branches_exist(tmp_path: Path) -> None:
+    """The H200 table's ``root_fork`` marks a graph with side branches; the same table with
+    the key off, --no-streams (no branch) and a target without side ops do not."""
+    assert _compiled("k3_rank_tp8.yaml").meta["streams"]["root_fork"] is True
+    assert _compiled("k3_rank_tp8.yaml", streams=False).meta["streams"]["root_fork"] is False
+    assert _compiled("k3_rank_tp8.yaml", target="cpu").meta["streams"]["root_fork"] is False
+    data = yaml.safe_load((TABLES_DIR / "h200.yaml").read_text())
+    data["streams"]["root_fork"] = False
+    path = tmp_path / "no_root.yaml"
+    path.write_text(yaml.safe_dump(data))
+    spec = load_spec(MODELS / "k3_rank_tp8.yaml")
+    deployment = override_deployment(spec.deployment, target="h200")
+    graph, _ = compile_graph(spec, deployment, tables_path=path)
+    assert graph.meta["streams"]["side"] and graph.meta["streams"]["root_fork"] is False
+
+
 def test_the_arena_keeps_side_branch_bytes_through_the_window() -> None:
     """In every bin's plan, no temp written by a main-stream node between a side node's fork
     and its join shares a byte with a temp the side node reads or writes (checked here from
@@ -169,9 +185,11 @@ def test_inspect_shows_the_side_branches(tmp_path: Path) -> None:
     text = subprocess.run([*run, "inspect", str(artifact), "--summary"], check=True,
                           capture_output=True, text=True).stdout
     assert "streams    12 launches on a side stream (12 shared_expert)" in text
+    assert "an empty launch forked there at the root" in text
     data = json.loads(subprocess.run([*run, "inspect", str(artifact), "--summary", "--format",
                                       "json"], check=True, capture_output=True,
                                      text=True).stdout)
     graph = _compiled("k3_rank_tp8.yaml")
     assert data["streams"]["side"] == graph.meta["streams"]["side"]
     assert data["streams"]["side_ops"] == {"shared_expert": 12}
+    assert data["streams"]["root_fork"] is True

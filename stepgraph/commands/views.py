@@ -120,7 +120,8 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
         "bins": bin_rows(graph),
         "caps": graph.meta.get("caps", {}),
         "streams": {"side": side, "side_ops": dict(sorted(Counter(
-            graph.node(name).op for name in side).items()))},
+            graph.node(name).op for name in side).items())),
+            "root_fork": bool(graph.meta.get("streams", {}).get("root_fork"))},
     }
 
 
@@ -177,7 +178,9 @@ def summary_text(data: dict[str, Any], path: str) -> str:
     if streams.get("side"):
         lines.append(f"streams    {len(streams['side'])} launches on a side stream ("
                      + ", ".join(f"{n} {op}" for op, n in streams["side_ops"].items())
-                     + "), each joined at or before its first reader")
+                     + "), each joined at or before its first reader"
+                     + ("; an empty launch forked there at the root" if streams.get("root_fork")
+                        else ""))
     planned = [b for b in data["bins"] if "memory" in b]
     if planned:
         lines.append("memory     rows    arena      lower bound  naive      arena/lb")

@@ -18,6 +18,11 @@ new and old positions reads. Nothing else moves, so collectives keep their relat
 A branch whose window (fork to join) holds a collective stays on the main stream, where it
 was: NCCL kernels beside a side stream inside a CUDA graph are not verified on two GPUs yet.
 
+Root fork: with ``streams.root_fork`` (table data) a graph that has side branches also
+forks one empty launch onto the side stream before the step's first launch, joined at the
+step's end (``meta["streams"]["root_fork"]``; the runtime adds it): on the H200 that makes
+the step several microseconds faster (measured; why is not established).
+
 Memory: the arena is planned for concurrent branches. ``meta["streams"]["side"]`` maps each
 side node to the node it joins before (None: the step's end), and
 :func:`stepgraph.memory.liveness.live_ranges` keeps every temp a side node reads or writes
@@ -99,7 +104,8 @@ class Streams:
             side[node.name] = join
         g.set_nodes(nodes)
         g.meta["streams"] = {"side": side, "side_ops": list(side_ops),
-                             "join_lead": rule.join_lead}
+                             "join_lead": rule.join_lead,
+                             "root_fork": bool(side) and rule.root_fork}
         if not self.enabled:
             return PassResult(g, False, "disabled (ablation): one stream")
         note = f"; {kept} kept on the main stream (a collective in their window)" if kept else ""

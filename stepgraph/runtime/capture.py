@@ -26,7 +26,7 @@ from stepgraph.runtime.providers.registry import (
     Registry,
     candidates,
 )
-from stepgraph.runtime.side_stream import fork, join
+from stepgraph.runtime.side_stream import fork, fork_empty, join
 
 
 @dataclass
@@ -86,9 +86,13 @@ class BinPlan:
     graph: Any = None  # torch.cuda.CUDAGraph
     names: list[str] = field(default_factory=list)
     device: torch.device | None = None  # where forked launches are joined (None: none)
+    root_fork: bool = False  # an empty launch forked onto the side stream first
 
     def run_eager(self) -> None:
-        """Enqueue every launch (no graph), then join the side stream's forked launches."""
+        """Enqueue every launch (no graph; the root fork first), then join the side
+        stream's forked launches."""
+        if self.root_fork and self.device is not None:
+            fork_empty(self.device)
         for launch in self.launches:
             launch()
         if self.device is not None:
@@ -190,7 +194,9 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
         choices.append(choice)
         if advance is not None:
             advance(1, f"bin {rows}: {node.name}")
-    return BinPlan(rows, launches, choices, names=[n.name for n in graph], device=device)
+    root_fork = bool(side) and bool(graph.meta.get("streams", {}).get("root_fork"))
+    return BinPlan(rows, launches, choices, names=[n.name for n in graph], device=device,
+                   root_fork=root_fork)
 
 
 def device_side_branches(graph: Graph, device: torch.device) -> dict[str, str | None]:

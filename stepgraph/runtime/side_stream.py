@@ -8,7 +8,9 @@ makes the current stream wait for it. Under CUDA graph capture the same calls fo
 branches of the graph (capture requires every forked stream to be joined before it ends:
 :class:`~stepgraph.runtime.capture.BinPlan` joins after its last launch). The main chain's
 launches keep their PDL edges: a fork adds an edge out of the launch before it, none into
-the launches after it.
+the launches after it. :func:`fork_empty` forks a launch that does nothing (the streams
+pass's root fork: the side stream's first launch at the graph's root instead of in the
+chain).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 _PENDING: set[int] = set()
@@ -40,6 +43,17 @@ def fork(device: torch.device, launch: Callable[[], None]) -> None:
     with torch.cuda.stream(side):
         launch()
     _PENDING.add(side.device.index or 0)
+
+
+@triton.jit
+def _empty_kernel():
+    """Does nothing: a launch that puts a graph node on the side stream."""
+    pass
+
+
+def fork_empty(device: torch.device) -> None:
+    """Fork one empty launch onto the side stream of ``device``."""
+    fork(device, lambda: _empty_kernel[(1,)]())
 
 
 def join(device: torch.device) -> None:

@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from stepgraph.runtime.kernels.elementwise import Add, RmsNorm
 from stepgraph.runtime.side_stream import fork, join, side_stream
-from stepgraph.runtime.tune import replay_median_us
+from stepgraph.runtime.tune import captured_graph, replay_median_us
 
 WIDTH = 7168
 
@@ -108,19 +108,6 @@ def _graph_run(dev: torch.device, length: int, forks: int, branch: int, join_aft
     return run, {i + 1 for i in at}, joins
 
 
-def _captured(run: Callable[[], None], dev: torch.device) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream(device=dev)
-    stream.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream(dev).wait_stream(stream)
-    torch.cuda.synchronize(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
-
-
 def _measure(graph: torch.cuda.CUDAGraph, replays: int, after_fork: set[int],
              joins: set[int]) -> dict[str, float]:
     """Median replay us and the main chain's gaps a replay, by where they sit."""
@@ -179,7 +166,7 @@ def main() -> int:
     for name, form in FORMS.items():
         run, after_fork, joins = _graph_run(dev, args.chain, args.forks, args.branch,
                                             args.join_after, form)
-        m = _measure(_captured(run, dev), args.replays, after_fork, joins)
+        m = _measure(captured_graph(run, dev), args.replays, after_fork, joins)
         print(f"{name:<36} {m['replay']:>8.1f} {m['ahead']:>8.1f} {m['span']:>8.1f} "
               f"{m['first']:>7.2f} {m['after fork']:>7.2f} {m['join']:>7.2f} "
               f"{m['other']:>7.2f}")

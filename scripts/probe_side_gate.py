@@ -31,7 +31,7 @@ from stepgraph.runtime.kernels.elementwise import RmsNorm
 from stepgraph.runtime.kernels.prefetch import L2Prefetch, byte_range
 from stepgraph.runtime.kernels.splitk_gemm import SplitKGemm, SplitKTactic
 from stepgraph.runtime.side_stream import fork, join
-from stepgraph.runtime.tune import replay_median_us
+from stepgraph.runtime.tune import captured_graph, replay_median_us
 
 HIDDEN = 7168
 TACTICS = {  # one-row rows of stepgraph/data/tactics/h200.yaml (the 4752-row in_proj: in_proj's)
@@ -143,19 +143,6 @@ def _layer_launches(dev: torch.device, buf: _Buffers, form: Form, smalls: int
     return run
 
 
-def _captured(run: Callable[[], None], dev: torch.device) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream(device=dev)
-    stream.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream(dev).wait_stream(stream)
-    torch.cuda.synchronize(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
-
-
 def main() -> int:
     """Capture and time each form, twice in turn."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -172,7 +159,7 @@ def main() -> int:
     graphs = {}
     for name, form in FORMS.items():
         layers = [_layer_launches(dev, buf, form, args.smalls) for buf in buffers]
-        graphs[name] = _captured(lambda layers=layers: [run() for run in layers], dev)
+        graphs[name] = captured_graph(lambda layers=layers: [run() for run in layers], dev)
     times: dict[str, list[float]] = {name: [] for name in FORMS}
     for _ in range(args.rounds):
         for name, graph in graphs.items():

@@ -114,6 +114,21 @@ def _copies(weight_bytes: int) -> int:
     return max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / max(weight_bytes, 1))))
 
 
+def captured_graph(run: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``run`` (launches that may fork onto side streams and join back) once on a fresh
+    stream, to compile and warm its kernels, then captured into a CUDA graph."""
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 def time_launches(launches: Sequence[Callable[[], None]], repeats: int = 3,
                   replays: int = 15) -> float:
     """Median microseconds per launch of ``launches`` (run ``repeats`` times in order) as

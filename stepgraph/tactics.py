@@ -75,9 +75,9 @@ class PrefetchRule(_Strict):
 class StreamRule(_Strict):
     """Ops the streams pass runs on a side stream, beside the main launch chain (none: one
     stream); ``join_lead``: join that many main-stream launches before the first reader
-    (the launch carrying the join cannot start early under PDL); ``root_fork``: a graph
-    with side branches also forks one empty launch onto the side stream at its root (before
-    the step's first launch), joined at the step's end."""
+    (the launch carrying the join also waits on the branch's last launch); ``root_fork``: a
+    graph with side branches also forks one empty launch onto the side stream at its root
+    (before the step's first launch), joined at the step's end."""
 
     side_ops: tuple[str, ...] = ()
     join_lead: int = Field(default=0, ge=0)

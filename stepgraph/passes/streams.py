@@ -7,9 +7,10 @@ moved to run as early as its inputs allow, right after the last node writing one
 and is marked to run on the device's side stream: the runtime forks it there and makes the
 main stream wait for it (a join) right before the first node that reads one of its outputs,
 or ``streams.join_lead`` main-stream launches before it (the launch that carries the join
-waits for the whole branch, so it cannot start early under PDL: a lead puts that cost on a
-launch that loses less by it, e.g. the MoE's last GEMV instead of the next AttnRes mix,
-which loads its sources before its wait). Between the fork and the join its launches
+starts only once the branch's last launch has let it, as well as its main-stream
+predecessor: captured, both its edges are PDL edges; a lead puts that wait on a launch that
+loses less by it, e.g. the MoE's last GEMV instead of the next AttnRes mix, which loads its
+sources before its wait). Between the fork and the join its launches
 overlap the main chain's.
 
 What may move: a compute node that updates no state, reads only values written before its

@@ -126,7 +126,44 @@ def test_the_base_candidate_wins_when_nothing_is_faster() -> None:
     assert "bin 1: the table's own kept" in out["tactics"]["mla_core"]["rows"][0]["source"]
 
 
+@pytest.mark.parametrize("text,why", [
+    ("streams.side_ops=1", "no integer or yes/no key 'side_ops'"),
+    ("streams.nothing=0,1", "no integer or yes/no key 'nothing'"),
+    ("streams.root_fork=0,2", "a yes/no key takes 0 and 1"),
+])
+def test_section_settings_the_file_cannot_take_are_refused(text: str, why: str) -> None:
+    with pytest.raises(UserError, match=why):
+        check_settings(h200(), parse_settings([text]), 1)
+
+
+def test_a_section_key_is_set_typed_and_the_winner_written(tmp_path: Path) -> None:
+    """A section setting sets the key as the file types it (a yes/no key stays a bool); the
+    written table keeps the fastest usable value with every time in the section's source,
+    and compiled back the graph follows it."""
+    data = h200()
+    assert data["streams"]["root_fork"] is True
+    off = variant(data, (("streams", "root_fork", 0),), 1)
+    assert off["streams"]["root_fork"] is False and data["streams"]["root_fork"] is True
+    assert variant(data, (("streams", "join_lead", 0),), 1)["streams"]["join_lead"] == 0
+    results = {1: [Timed((), Compared(0.0, [10.0])),
+                   Timed((("streams", "root_fork", 0),), Compared(0.0, [9.0])),
+                   Timed((("streams", "root_fork", 1),), Compared(0.0, [10.5]))]}
+    out = recorded(data, results, "measured on a test")
+    assert out["streams"]["root_fork"] is False
+    assert "bin 1: streams.root_fork=0 kept, measured on a test" in out["streams"]["source"]
+    assert "the table's own 10.0" in out["streams"]["source"]
+    path = tmp_path / "tuned.yaml"
+    path.write_text(yaml.safe_dump(out, sort_keys=False))
+    load_tables("h200", path=path)
+    artifact = tmp_path / "rank.sgart"
+    result = run_cli("compile", str(MODELS / "k3_rank_tp8.yaml"), "--batches", "1",
+                     "--tactics", str(path), "-o", str(artifact))
+    assert result.returncode == 0, result.stderr
+    assert load_artifact(artifact).graph.meta["streams"]["root_fork"] is False
+
+
 @pytest.mark.parametrize("extra,why", [
+    (["--step", "streams.root_fork=0,1", "--bins", "1,8"], "holds for every bin"),
     (["--step", "mla_core.split"], "OP.FIELD=V1,V2"),
     (["--step", "mla_core.split=64,128"], "needs --bins"),
     (["--step", "mla_core.split=64", "--bins", "1", "--quick"], "belong to the projection"),

@@ -4,9 +4,10 @@ an artifact on this machine's GPU and write a tactic table file (the format of
 ``stepgraph/data/tactics/h200.yaml``).
 
 ``stepgraph tune ARTIFACT --out FILE --bins 1 --step OP.FIELD=V1,V2 [--step ...] [--table
-FILE]``: measure every combination of those tactic values of tabled ops *in the step* (the
-artifact's spec compiled once per candidate, A/B in one process on the same weights) and
-write the base table with the fastest candidate set (:mod:`stepgraph.runtime.tune_step`).
+FILE]``: measure every combination of those tactic values of tabled ops (or of keys of the
+file's sections, e.g. ``streams.root_fork=0,1``) *in the step* (the artifact's spec compiled
+once per candidate, A/B in one process on the same weights) and write the base table with
+the fastest candidate set (:mod:`stepgraph.runtime.tune_step`).
 Needs CUDA; torch is imported only when the command runs."""
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="write the fastest split-K tactic at every shape and bin even "
                         "where cuBLAS is faster alone (cuBLAS launches break PDL chains)")
     parser.add_argument("--step", action="append", default=[], metavar="OP.FIELD=V1,V2",
-                        help="tune these tactic values of a tabled op in the step itself "
-                        "(repeatable: every combination is measured; needs --bins)")
+                        help="tune these tactic values of a tabled op (or values of a "
+                        "section key: streams.join_lead=0,1, streams.root_fork=0,1) in the "
+                        "step itself (repeatable: every combination is measured; needs "
+                        "--bins)")
     parser.add_argument("--table", help="with --step: the base table file (default: the "
                         "target's own)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -62,14 +65,20 @@ def run(args: argparse.Namespace) -> int:
 
 def run_step(args: argparse.Namespace, bins: list[int] | None) -> int:
     """``--step``: tune tactic values in the step, write the table, print the timings."""
-    from stepgraph.runtime.tune_step import parse_settings, summary, tune_step
+    from stepgraph.runtime.tune_step import (
+        check_section_bins,
+        parse_settings,
+        summary,
+        tune_step,
+    )
 
-    parse_settings(args.step)  # a malformed setting fails before the GPU is touched
+    settings = parse_settings(args.step)  # a malformed setting fails before the GPU is touched
     if args.quick or args.splitk_only:
         raise UserError("--quick and --splitk-only belong to the projection tuning, not to "
                         "--step")
     if not bins:
         raise UserError("--step needs --bins: the row counts to tune (e.g. --bins 1)")
+    check_section_bins(settings, bins)
     if args.rounds < 1 or args.context < 1:
         raise UserError("--rounds and --context must be positive")
     results = tune_step(args.artifact, args.out, args.step, bins, table=args.table,

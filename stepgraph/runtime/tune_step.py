@@ -6,6 +6,11 @@ its logits are checked against the table's own, and the steps are timed in inter
 rounds (:mod:`stepgraph.bench.ab`). The fastest candidate's values go into the written
 table file (the base table otherwise), and the op's rows record every candidate's time.
 
+A setting may also name a key of a section of the file instead of an op
+(``streams.root_fork=0,1``, ``streams.join_lead=0,1,2``; 0 / 1 for a yes-no key): such a key
+holds for every bin, so it is tuned at one bin only, and its section's ``source`` records
+the times.
+
 Why in the step: isolated launches mislead for the short kernels of a one-row step (e.g.
 MLA's split-KV tactics: 4 us a layer faster alone, nothing in the step, where the merge
 after the partial pays for it; docs/perf.md, sixteenth session). The artifact only gives
@@ -29,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from stepgraph.errors import UserError
-from stepgraph.tactics_variant import VariantError, set_field
+from stepgraph.tactics_variant import SECTIONS, VariantError, set_field
 
 if TYPE_CHECKING:
     from stepgraph.bench.ab import Compared
@@ -105,10 +110,35 @@ def candidates(settings: Sequence[Setting]) -> list[Candidate]:
     return out
 
 
+def check_section_bins(settings: Sequence[Setting], bins: Sequence[int]) -> None:
+    """Refuse section keys (which hold for every bin) tuned at more than one bin."""
+    sections = sorted({f"{s.op}.{s.field}" for s in settings if s.op in SECTIONS})
+    if sections and len(bins) > 1:
+        raise UserError(f"--step {sections[0]}: a section key holds for every bin; tune it "
+                        "at one bin (e.g. --bins 1)")
+
+
+def _check_section(data: dict[str, Any], setting: Setting) -> None:
+    """Refuse a section setting whose key the file's section lacks or whose values the key
+    cannot hold (a yes-no key takes 0 and 1)."""
+    section = data.get(setting.op) or {}
+    keys = [k for k, v in section.items() if isinstance(v, int)]
+    if setting.field not in keys:
+        raise UserError(f"--step {setting.op}.{setting.field}: the table's {setting.op} "
+                        f"section has no integer or yes/no key {setting.field!r} (keys: "
+                        f"{', '.join(keys) or 'none'})")
+    if isinstance(section[setting.field], bool) and not set(setting.values) <= {0, 1}:
+        raise UserError(f"--step {setting.op}.{setting.field}: a yes/no key takes 0 and 1")
+
+
 def check_settings(data: dict[str, Any], settings: Sequence[Setting], rows: int) -> None:
     """Refuse (UserError, one line) settings the table cannot take at bin ``rows``: an op
-    without a tactic table, a field its table lacks, a bin none of its rows tabulates."""
+    without a tactic table, a field its table lacks, a bin none of its rows tabulates; a
+    section key the file lacks."""
     for setting in settings:
+        if setting.op in SECTIONS:
+            _check_section(data, setting)
+            continue
         entry = data["ops"].get(setting.op)
         if entry is None:
             raise UserError(f"--step {setting.op}.{setting.field}: the table has no op "
@@ -129,15 +159,26 @@ def check_settings(data: dict[str, Any], settings: Sequence[Setting], rows: int)
                             f"tabulates bin {rows} (its bins: {tabled}); tune one of those")
 
 
-def variant(data: dict[str, Any], candidate: Candidate, rows: int) -> dict[str, Any]:
-    """A copy of the table file's data with the candidate's fields set in bin ``rows`` of
-    every row of the op's table (every shape a projection table holds)."""
-    out = copy.deepcopy(data)
+def _apply(out: dict[str, Any], op: str, field: str, value: int, rows: int) -> None:
+    """Set one setting in the file's data ``out``: a section key (typed as the key is), or
+    the op's field in bin ``rows`` of every row of its table."""
+    if op in SECTIONS:
+        old = out[op][field]
+        out[op][field] = bool(value) if isinstance(old, bool) else value
+        return
     try:
-        for op, field, value in candidate:
-            set_field(out, op, field, value, only_bin=rows)
+        set_field(out, op, field, value, only_bin=rows)
     except VariantError as error:
         raise UserError(f"--step: {error}") from None
+
+
+def variant(data: dict[str, Any], candidate: Candidate, rows: int) -> dict[str, Any]:
+    """A copy of the table file's data with the candidate's fields set in bin ``rows`` of
+    every row of the op's table (every shape a projection table holds), and its section
+    keys set."""
+    out = copy.deepcopy(data)
+    for op, field, value in candidate:
+        _apply(out, op, field, value, rows)
     if candidate:
         out["version"] = (f"{data['version']}+"
                           + "+".join(f"{op}.{f}={v}" for op, f, v in candidate) + f"@bin{rows}")
@@ -157,15 +198,17 @@ def recorded(data: dict[str, Any], results: dict[int, list[Timed]], where: str
                             "candidate could be checked against it; nothing written")
         best = min(usable, key=lambda t: t.us)
         for op, field, value in best.candidate:
-            set_field(out, op, field, value, only_bin=rows)
+            _apply(out, op, field, value, rows)
         times = "; ".join(f"{t.label} {t.us:.1f}" if t.usable else
                           f"{t.label} refused (logits {t.error:.1e} from the table's own)"
                           for t in timed)
         note = f"bin {rows}: {best.label} kept, {where} (us a step: {times})"
         notes.append(note)
         for op in dict.fromkeys(op for t in timed for op, _, _ in t.candidate):
-            for row in out["tactics"][out["ops"][op]["table"]]["rows"]:
-                row["source"] = f"{row['source']}; {note}"
+            sources = ([out[op]] if op in SECTIONS
+                       else out["tactics"][out["ops"][op]["table"]]["rows"])
+            for where_noted in sources:
+                where_noted["source"] = f"{where_noted.get('source', '')}; {note}".lstrip("; ")
     stamp = datetime.date.today().isoformat()
     out["version"] = f"{data['version']}+tune-step-{stamp}"
     out["description"] = f"{data['description']} Tuned in the step: " + " ".join(notes)
@@ -201,6 +244,7 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
     data = yaml.safe_load(base_path.read_text())
     if not bins:
         raise UserError("--step needs --bins: the row counts to tune (e.g. --bins 1)")
+    check_section_bins(settings, bins)
     for rows in bins:
         check_settings(data, settings, rows)
     grid = candidates(settings)

@@ -193,3 +193,21 @@ def test_inspect_shows_the_side_branches(tmp_path: Path) -> None:
     assert data["streams"]["side"] == graph.meta["streams"]["side"]
     assert data["streams"]["side_ops"] == {"shared_expert": 12}
     assert data["streams"]["root_fork"] is True
+
+
+def test_explain_says_where_a_node_runs() -> None:
+    """`inspect --explain`: a side node names the main-stream node it forks after and the
+    node it joins before (the streams pass's meta), the join's carrier names the branch it
+    waits for, and a node of neither kind has no stream line."""
+    from stepgraph.passes.bin import explain
+
+    graph = _compiled("k3_rank_tp8.yaml")
+    side = graph.meta["streams"]["side"]
+    order = [n.name for n in graph]
+    name, join = next(iter(side.items()))
+    before = order[order.index(name) - 1]
+    assert before not in side
+    assert f"stream: side (forked after {before}, joined before {join})" in explain(graph, name)
+    assert f"stream: main; waits here for the side branch of {name}" in explain(graph, join)
+    plain = next(n.name for n in graph if n.op == "kda_core")
+    assert "stream:" not in explain(graph, plain)

@@ -196,6 +196,24 @@ def _bytes(count: int) -> str:
     return f"{count} B"
 
 
+def _stream_lines(graph: Graph, node: Node) -> list[str]:
+    """Where the streams pass put ``node``: on the side stream (forked after the node before
+    it, joined before a main-stream node or at the step's end), or carrying branches'
+    joins."""
+    side = graph.meta.get("streams", {}).get("side", {})
+    if node.name in side:
+        order = [n.name for n in graph]
+        at = order.index(node.name)
+        after = next((order[i] for i in range(at - 1, -1, -1) if order[i] not in side), None)
+        join = side[node.name]
+        return [f"  stream: side (forked after {after or 'the step start'}, joined "
+                f"{f'before {join}' if join else 'at the step end'})"]
+    joined = sorted(name for name, join in side.items() if join == node.name)
+    if joined:
+        return [f"  stream: main; waits here for the side branch of {', '.join(joined)}"]
+    return []
+
+
 def explain(graph: Graph, node_name: str) -> str:
     """A readable, multi-line explanation of ``node_name``'s decisions per bin (provider,
     tactic, reason with the table row), the caps that apply, and its PDL mark and prefetch
@@ -256,6 +274,7 @@ def explain(graph: Graph, node_name: str) -> str:
         early = [name for name in pdl.get("pre_wait_inputs", ()) if name not in weights]
         if early:
             lines.append(f"      other inputs readable before the wait: {', '.join(early)}")
+    lines.extend(_stream_lines(graph, node))
     if node.op == "prefetch":
         lines.append(f"  prefetch fork {node.attrs.get('fork')}: {_bytes(node.attrs['bytes'])} "
                      f"of the weights {node.attrs.get('target')} reads first")

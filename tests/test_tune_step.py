@@ -19,6 +19,7 @@ from conftest import MODELS, run_cli
 from stepgraph.artifact import load_artifact
 from stepgraph.bench.ab import Compared
 from stepgraph.errors import UserError
+from stepgraph.ir.graph import Graph
 from stepgraph.runtime.tune_step import (
     Timed,
     candidates,
@@ -35,6 +36,19 @@ torch = pytest.importorskip("torch")
 def h200() -> dict:
     """The packaged H200 table file's data."""
     return yaml.safe_load(table_path("h200").read_text())
+
+
+def compiled_with(data: dict, folder: Path, batches: str) -> Graph:
+    """k3-rank-tp8 compiled by the CLI at ``batches`` with the table ``data`` (written to
+    ``folder`` and checked to load as a valid table first)."""
+    path = folder / "tuned.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_tables("h200", path=path)
+    artifact = folder / "rank.sgart"
+    result = run_cli("compile", str(MODELS / "k3_rank_tp8.yaml"), "--batches", batches,
+                     "--tactics", str(path), "-o", str(artifact))
+    assert result.returncode == 0, result.stderr
+    return load_artifact(artifact).graph
 
 
 def test_settings_parse_into_every_combination_after_the_base() -> None:
@@ -106,14 +120,7 @@ def test_the_written_table_keeps_the_fastest_usable_candidate(tmp_path: Path) ->
     assert "bin 1: mla_core.split=96 kept, measured on a test" in source
     assert "the table's own 10.0" in source and "mla_core.split=64 11.0" in source
     assert "mla_core.split=256 refused" in source
-    path = tmp_path / "tuned.yaml"
-    path.write_text(yaml.safe_dump(out, sort_keys=False))
-    load_tables("h200", path=path)
-    artifact = tmp_path / "rank.sgart"
-    result = run_cli("compile", str(MODELS / "k3_rank_tp8.yaml"), "--batches", "1,8",
-                     "--tactics", str(path), "-o", str(artifact))
-    assert result.returncode == 0, result.stderr
-    decisions = load_artifact(artifact).graph.meta["decisions"]["l2.core"]
+    decisions = compiled_with(out, tmp_path, "1,8").meta["decisions"]["l2.core"]
     assert decisions["1"]["tactic"]["split"] == 96, decisions
     assert "split" not in decisions["8"]["tactic"], decisions
 
@@ -152,14 +159,7 @@ def test_a_section_key_is_set_typed_and_the_winner_written(tmp_path: Path) -> No
     assert out["streams"]["root_fork"] is False
     assert "bin 1: streams.root_fork=0 kept, measured on a test" in out["streams"]["source"]
     assert "the table's own 10.0" in out["streams"]["source"]
-    path = tmp_path / "tuned.yaml"
-    path.write_text(yaml.safe_dump(out, sort_keys=False))
-    load_tables("h200", path=path)
-    artifact = tmp_path / "rank.sgart"
-    result = run_cli("compile", str(MODELS / "k3_rank_tp8.yaml"), "--batches", "1",
-                     "--tactics", str(path), "-o", str(artifact))
-    assert result.returncode == 0, result.stderr
-    assert load_artifact(artifact).graph.meta["streams"]["root_fork"] is False
+    assert compiled_with(out, tmp_path, "1").meta["streams"]["root_fork"] is False
 
 
 @pytest.mark.parametrize("extra,why", [

@@ -109,6 +109,28 @@ def test_root_fork_only_where_a_table_asks_and_branches_exist(tmp_path: Path) ->
     assert graph.meta["streams"]["side"] and graph.meta["streams"]["root_fork"] is False
 
 
+def test_no_root_fork_in_a_graph_with_a_collective() -> None:
+    """The root fork's window is the whole step: k3-rank-tp8's graph with one all_reduce
+    appended after its last node (outside every branch's window, so the branches stay on
+    the side stream) gets no root fork."""
+    from stepgraph.ir.nodes import Node
+    from stepgraph.ir.values import Value
+    from stepgraph.passes.manager import CompileContext
+    from stepgraph.passes.streams import Streams
+
+    graph = _compiled("k3_rank_tp8.yaml")
+    last = graph.nodes[-1]
+    out = graph.values[last.outputs[0]]
+    graph.add_value(Value("reduced", out.type, Storage.TEMP))
+    graph.add_node(Node("reduce", "all_reduce", (out.name,), ("reduced",),
+                        {"group": "tp", "ways": 2}))
+    spec = load_spec(MODELS / "k3_rank_tp8.yaml")
+    deployment = override_deployment(spec.deployment, target="h200")
+    result = Streams().run(graph, CompileContext(spec.model, deployment))
+    assert result.graph.meta["streams"]["side"]
+    assert result.graph.meta["streams"]["root_fork"] is False
+
+
 def test_the_arena_keeps_side_branch_bytes_through_the_window() -> None:
     """In every bin's plan, no temp written by a main-stream node between a side node's fork
     and its join shares a byte with a temp the side node reads or writes (checked here from

@@ -22,7 +22,9 @@ was: NCCL kernels beside a side stream inside a CUDA graph are not verified on t
 Root fork: with ``streams.root_fork`` (table data) a graph that has side branches also
 forks one empty launch onto the side stream before the step's first launch, joined at the
 step's end (``meta["streams"]["root_fork"]``; the runtime adds it): on the H200 that makes
-the step several microseconds faster (measured; why is not established).
+the step several microseconds faster (measured; why is not established). Its window is the
+whole step, so a graph with a collective gets none (as a branch beside one stays on the
+main stream).
 
 Memory: the arena is planned for concurrent branches. ``meta["streams"]["side"]`` maps each
 side node to the node it joins before (None: the step's end), and
@@ -106,7 +108,8 @@ class Streams:
         g.set_nodes(nodes)
         g.meta["streams"] = {"side": side, "side_ops": list(side_ops),
                              "join_lead": rule.join_lead,
-                             "root_fork": bool(side) and rule.root_fork}
+                             "root_fork": (bool(side) and rule.root_fork
+                                           and not any(is_collective(n) for n in nodes))}
         if not self.enabled:
             return PassResult(g, False, "disabled (ablation): one stream")
         note = f"; {kept} kept on the main stream (a collective in their window)" if kept else ""

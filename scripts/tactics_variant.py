@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from stepgraph.tactics import table_path
-from stepgraph.tactics_variant import SECTIONS, VariantError, set_field
+from stepgraph.tactics_variant import SECTIONS, VariantError, set_field, set_section_key
 
 
 def main() -> int:
@@ -66,7 +66,7 @@ def write_variant(args: argparse.Namespace) -> int:
         if not (op and field and value.lstrip("-").isdigit()):
             raise VariantError(f"{setting!r} is not OP.FIELD=INTEGER")
         if op in SECTIONS:
-            data.setdefault(op, {})[field] = int(value)
+            set_section_key(data, op, field, int(value))
         else:
             set_field(data, op, field, int(value), args.bin, frozenset(shapes))
     narrowed = "".join([f"@bin{args.bin}" if args.bin else "", *(f"@{s}" for s in args.shape)])

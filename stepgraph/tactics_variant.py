@@ -4,7 +4,10 @@ Used by ``stepgraph tune --step`` and by ``scripts/tactics_variant.py``. No torc
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
+
+from stepgraph.tactics import TableFile
 
 SECTIONS = ("streams", "pdl", "prefetch")  # sections whose keys a setting may set
 MADE = "scripts/tactics_variant.py"  # the source of a table made for an op without one
@@ -12,6 +15,30 @@ MADE = "scripts/tactics_variant.py"  # the source of a table made for an op with
 
 class VariantError(Exception):
     """A setting the table cannot take (printed as one ``error:`` line, exit status 2)."""
+
+
+def check_section_key(section: str, key: str, values: Iterable[int]) -> type:
+    """The type (``int`` or ``bool``) the table file's schema gives ``key`` of ``section``;
+    a VariantError for a key it lacks or holds otherwise, or a yes/no key given other values
+    than 0 and 1."""
+    model = TableFile.model_fields[section].annotation
+    fields = model.model_fields  # type: ignore[union-attr]
+    keys = [k for k, f in fields.items() if f.annotation in (int, bool)]
+    if key not in keys:
+        raise VariantError(f"the table's {section} section has no integer or yes/no key "
+                           f"{key!r} (keys: {', '.join(keys) or 'none'})")
+    kind = fields[key].annotation
+    if kind is bool and not set(values) <= {0, 1}:
+        raise VariantError(f"{key} of {section} is yes/no: a yes/no key takes 0 and 1, not "
+                           f"{sorted(set(values) - {0, 1})}")
+    return kind
+
+
+def set_section_key(data: dict[str, Any], section: str, key: str, value: int) -> None:
+    """Set ``key`` of ``section`` in the file's data, typed as the schema types it (a
+    yes/no key from 0 / 1); see :func:`check_section_key` for what is refused."""
+    kind = check_section_key(section, key, (value,))
+    data.setdefault(section, {})[key] = bool(value) if kind is bool else value
 
 
 def set_field(data: dict[str, Any], op: str, field: str, value: int,

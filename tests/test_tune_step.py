@@ -182,7 +182,10 @@ def test_the_step_mode_refuses_without_cuda(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     out = tmp_path / "t.yaml"
-    result = run_cli("tune", "nothing.sgart", "--out", str(out), "--bins", "1", "--step",
+    artifact = tmp_path / "rank.sgart"  # the settings are checked against its table first
+    assert run_cli("compile", str(MODELS / "k3_rank_tp8.yaml"), "--batches", "1", "-o",
+                   str(artifact)).returncode == 0
+    result = run_cli("tune", str(artifact), "--out", str(out), "--bins", "1", "--step",
                      "mla_core.split=64,128")
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "CUDA" in result.stderr, result.stderr

@@ -65,23 +65,14 @@ def run(args: argparse.Namespace) -> int:
 
 def run_step(args: argparse.Namespace, bins: list[int] | None) -> int:
     """``--step``: tune tactic values in the step, write the table, print the timings."""
-    from stepgraph.runtime.tune_step import (
-        check_section_bins,
-        parse_settings,
-        summary,
-        tune_step,
-    )
+    from stepgraph.runtime.tune_step import summary, tune_step
 
-    settings = parse_settings(args.step)  # a malformed setting fails before the GPU is touched
     if args.quick or args.splitk_only:
         raise UserError("--quick and --splitk-only belong to the projection tuning, not to "
                         "--step")
-    if not bins:
-        raise UserError("--step needs --bins: the row counts to tune (e.g. --bins 1)")
-    check_section_bins(settings, bins)
     if args.rounds < 1 or args.context < 1:
         raise UserError("--rounds and --context must be positive")
-    results = tune_step(args.artifact, args.out, args.step, bins, table=args.table,
+    results = tune_step(args.artifact, args.out, args.step, bins or [], table=args.table,
                         rounds=args.rounds, context=args.context,
                         show_progress=not args.no_progress)
     print(summary(results))

@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from stepgraph.errors import UserError
-from stepgraph.tactics_variant import SECTIONS, VariantError, set_field
+from stepgraph.tactics_variant import (
+    SECTIONS,
+    VariantError,
+    check_section_key,
+    set_field,
+    set_section_key,
+)
 
 if TYPE_CHECKING:
     from stepgraph.bench.ab import Compared
@@ -118,26 +124,16 @@ def check_section_bins(settings: Sequence[Setting], bins: Sequence[int]) -> None
                         "at one bin (e.g. --bins 1)")
 
 
-def _check_section(data: dict[str, Any], setting: Setting) -> None:
-    """Refuse a section setting whose key the file's section lacks or whose values the key
-    cannot hold (a yes-no key takes 0 and 1)."""
-    section = data.get(setting.op) or {}
-    keys = [k for k, v in section.items() if isinstance(v, int)]
-    if setting.field not in keys:
-        raise UserError(f"--step {setting.op}.{setting.field}: the table's {setting.op} "
-                        f"section has no integer or yes/no key {setting.field!r} (keys: "
-                        f"{', '.join(keys) or 'none'})")
-    if isinstance(section[setting.field], bool) and not set(setting.values) <= {0, 1}:
-        raise UserError(f"--step {setting.op}.{setting.field}: a yes/no key takes 0 and 1")
-
-
 def check_settings(data: dict[str, Any], settings: Sequence[Setting], rows: int) -> None:
     """Refuse (UserError, one line) settings the table cannot take at bin ``rows``: an op
     without a tactic table, a field its table lacks, a bin none of its rows tabulates; a
-    section key the file lacks."""
+    section key the table file's schema does not hold as an integer or yes/no."""
     for setting in settings:
         if setting.op in SECTIONS:
-            _check_section(data, setting)
+            try:
+                check_section_key(setting.op, setting.field, setting.values)
+            except VariantError as error:
+                raise UserError(f"--step {setting.op}.{setting.field}: {error}") from None
             continue
         entry = data["ops"].get(setting.op)
         if entry is None:
@@ -160,14 +156,13 @@ def check_settings(data: dict[str, Any], settings: Sequence[Setting], rows: int)
 
 
 def _apply(out: dict[str, Any], op: str, field: str, value: int, rows: int) -> None:
-    """Set one setting in the file's data ``out``: a section key (typed as the key is), or
-    the op's field in bin ``rows`` of every row of its table."""
-    if op in SECTIONS:
-        old = out[op][field]
-        out[op][field] = bool(value) if isinstance(old, bool) else value
-        return
+    """Set one setting in the file's data ``out``: a section key (typed as the schema types
+    it), or the op's field in bin ``rows`` of every row of its table."""
     try:
-        set_field(out, op, field, value, only_bin=rows)
+        if op in SECTIONS:
+            set_section_key(out, op, field, value)
+        else:
+            set_field(out, op, field, value, only_bin=rows)
     except VariantError as error:
         raise UserError(f"--step: {error}") from None
 
@@ -207,8 +202,8 @@ def recorded(data: dict[str, Any], results: dict[int, list[Timed]], where: str
         for op in dict.fromkeys(op for t in timed for op, _, _ in t.candidate):
             sources = ([out[op]] if op in SECTIONS
                        else out["tactics"][out["ops"][op]["table"]]["rows"])
-            for where_noted in sources:
-                where_noted["source"] = f"{where_noted.get('source', '')}; {note}".lstrip("; ")
+            for entry in sources:
+                entry["source"] = f"{entry['source']}; {note}" if entry.get("source") else note
     stamp = datetime.date.today().isoformat()
     out["version"] = f"{data['version']}+tune-step-{stamp}"
     out["description"] = f"{data['description']} Tuned in the step: " + " ".join(notes)
@@ -222,13 +217,7 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
     """Measure the candidates of ``steps`` at each of ``bins`` in the step of the artifact's
     spec and write the table file ``out`` (see the module docstring); returns the timings
     by bin."""
-    from stepgraph.runtime.tune import require_cuda
-
-    device = require_cuda()
-    import torch
-
     from stepgraph.artifact import Artifact, load_artifact
-    from stepgraph.bench.ab import compare, load_step, shared_weights
     from stepgraph.compiler import compile_document
     from stepgraph.ir.serialize import graph_from_json
     from stepgraph.passes.pipeline import CompileOptions
@@ -236,18 +225,27 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
     from stepgraph.spec import Deployment, Spec
     from stepgraph.tactics import load_tables, table_path, write_table_file
 
+    # every refusal before the GPU is touched
     settings = parse_settings(steps)
+    if not bins:
+        raise UserError("--step needs --bins: the row counts to tune (e.g. --bins 1)")
+    check_section_bins(settings, bins)
+    grid = candidates(settings)
     source = load_artifact(artifact_path)
     spec = Spec.model_validate({"model": source.spec, "deployment": source.deployment})
     options = CompileOptions(**source.document["options"])
     base_path = Path(table) if table else table_path(spec.deployment.target)
     data = yaml.safe_load(base_path.read_text())
-    if not bins:
-        raise UserError("--step needs --bins: the row counts to tune (e.g. --bins 1)")
-    check_section_bins(settings, bins)
     for rows in bins:
         check_settings(data, settings, rows)
-    grid = candidates(settings)
+
+    from stepgraph.runtime.tune import require_cuda
+
+    device = require_cuda()
+    import torch
+
+    from stepgraph.bench.ab import compare, load_step, shared_weights
+
     gpu = torch.cuda.get_device_name(device)
     where = (f"measured on {gpu} {datetime.date.today().isoformat()} by stepgraph tune "
              f"--step in the step of {spec.model.name} (context {context}, {rounds} rounds)")

@@ -149,3 +149,22 @@ def test_a_variant_past_a_bins_end_names_the_fields_to_set_first(tmp_path: Path)
     assert done.returncode == 0, done.stderr
     rows = yaml.safe_load(out.read_text())["tactics"]["routed_experts"]["rows"]
     assert all(row["bins"][1][8] == 16 for row in rows)
+
+
+def test_a_section_key_is_typed_by_the_schema() -> None:
+    """A section key is set as the table file's schema types it (a yes/no key from 0 / 1,
+    also where the file leaves the key out); a key the schema does not hold as an integer
+    or yes/no, and a yes/no key given 2, are refused."""
+    from stepgraph.tactics_variant import VariantError, set_section_key
+
+    data = yaml.safe_load(table_path("h200").read_text())
+    del data["streams"]["root_fork"]
+    set_section_key(data, "streams", "root_fork", 0)
+    assert data["streams"]["root_fork"] is False
+    set_section_key(data, "streams", "join_lead", 2)
+    assert data["streams"]["join_lead"] == 2
+    set_section_key(data, "prefetch", "stream_min_bytes", 1024)
+    assert data["prefetch"]["stream_min_bytes"] == 1024
+    for key, value in (("side_ops", 1), ("source", 1), ("nothing", 0), ("root_fork", 2)):
+        with pytest.raises(VariantError):
+            set_section_key(data, "streams", key, value)

@@ -54,7 +54,8 @@ def load_step(artifact: Artifact, weights: dict[str, torch.Tensor], rows: Sequen
 def compare(steps: Sequence[CompiledStep], rows: int, context: int, rounds: int,
             replays: int) -> list[Compared]:
     """Check each step's logits against the first's, then time every step ``rounds`` times
-    in turn (``replays`` timed calls a round, after 10 untimed)."""
+    in turn (``replays`` timed calls a round, after 10 untimed; a call is the inputs' copy
+    and the replay, the logits left in the output buffer, as the bench times it)."""
     lim = steps[0].limits
     feeds = build_feeds(rows, 1, INPUT_SETS, context, lim.block_size, lim.width, lim.vocab,
                         rows)
@@ -74,6 +75,7 @@ def compare(steps: Sequence[CompiledStep], rows: int, context: int, rounds: int,
     for _ in range(rounds):
         for step, result in zip(steps, results, strict=True):
             with torch.no_grad():
-                got = time_calls(step.step, inputs, replays, 10, step.device)
+                got = time_calls(lambda inp, s=step: s.step(inp, clone=False), inputs,
+                                 replays, 10, step.device)
             result.rounds.append(statistics.median(got))
     return results

@@ -129,7 +129,7 @@ def touched_experts_of(compiled: CompiledStep, size: int) -> dict[str, int]:
     """Distinct local experts each routed-experts launch touches for the bin's current
     inputs (every row real): the bin's launches run eagerly once and each expert launch's
     ids are copied just before it runs (the arena reuses their bytes later in the step)."""
-    plan = compiled.plans[size]
+    plan = compiled.plan(size)
     bound = compiled.bindings.for_bin(size)
     nodes = {node.name: node for node in compiled.graph}
     seen: dict[str, torch.Tensor] = {}

@@ -354,11 +354,13 @@ class Session:
 
     def time_compiled(self, compiled: Any, result: BinResult, mode: str, feeds: list[Feed]
                       ) -> None:
-        """Replays of the compiled step; a second check after them (main mode only)."""
+        """Replays of the compiled step as a serving loop calls it (the inputs' copy and
+        the replay; the logits left in the step's output buffer, no copy of them); a second
+        check after them (main mode only)."""
         from stepgraph.runtime import StepInputs
 
         inputs = [StepInputs.from_feed(f) for f in feeds]
-        result.timings[mode] = self.time(compiled.step, inputs)
+        result.timings[mode] = self.time(lambda inp: compiled.step(inp, clone=False), inputs)
         if mode == "stepgraph":
             result.checks.setdefault(mode, []).append(
                 self.check(compiled, compiled.graph, feeds[0], 1,
@@ -450,7 +452,7 @@ class Session:
         output.fill_(float("nan"))
         compiled.filler.fill(inputs, size)
         temps = compiled.temps(size)
-        plan = compiled.plans[size]
+        plan = compiled.plan(size)
         ids = {}
         for name, launch in zip(plan.names, plan.launches, strict=True):
             launch()

@@ -199,10 +199,13 @@ class Bindings:
     outputs: dict[str, torch.Tensor]
     temps: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
-    def for_bin(self, rows: int) -> dict[str, Any]:
-        """Name -> tensor for every value at bin ``rows``."""
+    def for_bin(self, rows: int, inputs: Mapping[str, torch.Tensor] | None = None
+                ) -> dict[str, Any]:
+        """Name -> tensor for every value at bin ``rows``; ``inputs``: the input buffers
+        to bind instead of :attr:`inputs` (another device block of them)."""
         bound: dict[str, Any] = dict(self.fixed)
-        bound.update({k: v[:rows] for k, v in self.inputs.items()})
+        given = self.inputs if inputs is None else inputs
+        bound.update({k: v[:rows] for k, v in given.items()})
         bound.update({k: v[:rows] for k, v in self.outputs.items()})
         bound.update(self.temps[rows])
         return bound

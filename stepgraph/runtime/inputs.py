@@ -140,33 +140,59 @@ def packed_layout(shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
 class InputFiller:
     """Writes a step's inputs, padded to a bin, into the static input buffers.
 
-    Every input buffer is a view of one device block (:attr:`buffers`); a step writes the
-    bin's rows into a host mirror of that block and copies the used span to the GPU in one
-    copy. On a GPU the mirrors are pinned and the copy asynchronous, so the host never waits
-    for the GPU: it may run up to :data:`MIRRORS` steps ahead (a mirror is rewritten only
-    after its last copy has run). Inputs are checked before anything is written, so a bad
-    step leaves the buffers as they were.
+    Every input buffer is a view of one device block (:attr:`buffers`, of :attr:`block`); a
+    step writes the bin's rows into a host mirror of that block and copies the used span to
+    the GPU in one copy. On a GPU the mirrors are pinned and the copy asynchronous, so the
+    host never waits for the GPU: it may run up to :data:`MIRRORS` steps ahead (a mirror is
+    rewritten only after its last copy has run). Inputs are checked before anything is
+    written, so a bad step leaves the buffers as they were.
+
+    With ``blocks`` > 1 (the runtime's CUDA graphs: one graph per bin and block) the steps
+    take the device blocks in turn (:attr:`current` is the one the last fill wrote), and on
+    a GPU a step's copy runs on a copy stream of its own once the last work that read its
+    block has run: it overlaps the step before, instead of sitting between two steps'
+    graphs on the compute stream (which then only waits for the copy's event).
     """
 
     def __init__(self, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
-                 limits: Limits, device: torch.device) -> None:
+                 limits: Limits, device: torch.device, blocks: int = 1) -> None:
         unknown = sorted(set(shapes) - set(FIELDS))
         if unknown:
             raise UserError(f"the step reads input(s) {', '.join(unknown)}, which this runtime "
                             f"does not know how to fill")
+        if blocks < 1:
+            raise UserError(f"input blocks must be at least 1, got {blocks}")
         self.limits = limits
+        self.device = device
         self.layout = packed_layout(shapes)
-        total = max((p.offset + p.nbytes for p in self.layout.values()), default=0)
-        self.block = torch.zeros(max(total, 1), dtype=torch.uint8, device=device)
-        self.buffers = {name: p.view(self.block) for name, p in self.layout.items()}
+        total = max(max((p.offset + p.nbytes for p in self.layout.values()), default=0), 1)
+        self.blocks = [torch.zeros(total, dtype=torch.uint8, device=device)
+                       for _ in range(blocks)]
+        self.buffer_sets = [{name: p.view(block) for name, p in self.layout.items()}
+                            for block in self.blocks]
+        self.current = 0  # the block the last fill wrote
+        self.filled = 0  # fills so far: the next fill takes block filled % blocks
         pinned = device.type == "cuda"
         count = MIRRORS if pinned else 1
-        self.mirrors = [torch.zeros(self.block.numel(), dtype=torch.uint8, pin_memory=pinned)
+        self.mirrors = [torch.zeros(total, dtype=torch.uint8, pin_memory=pinned)
                         for _ in range(count)]
         self.host_views = [{name: p.host_view(mirror.numpy()) for name, p in self.layout.items()}
                            for mirror in self.mirrors]
         self.copied = [torch.cuda.Event() if pinned else None for _ in range(count)]
         self.turn = 0
+        overlap = pinned and blocks > 1
+        self.copy_stream = torch.cuda.Stream(device=device) if overlap else None
+        self.released = [torch.cuda.Event() if overlap else None for _ in range(blocks)]
+
+    @property
+    def block(self) -> torch.Tensor:
+        """The device block the last fill wrote."""
+        return self.blocks[self.current]
+
+    @property
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The input buffers (views of :attr:`block`) the last fill wrote."""
+        return self.buffer_sets[self.current]
 
     def _fill_value(self, name: str) -> int:
         return {"kda_state_indices": self.limits.slots, "num_accepted_tokens": 1,
@@ -185,15 +211,19 @@ class InputFiller:
             array = _host(given)
             self._check(name, array, rows)
             arrays[name] = array
-        self._write(arrays, rows, bin_rows)
+        index = self.filled % len(self.blocks)
+        self.filled += 1
+        self._write(arrays, rows, bin_rows, index)
 
-    def fill_padding(self, bin_rows: int) -> None:
-        """Make every row of bin ``bin_rows`` a padding row (for warm-up and capture)."""
-        self._write({}, 0, bin_rows)
+    def fill_padding(self, bin_rows: int, block: int = 0) -> None:
+        """Make every row of bin ``bin_rows`` of device block ``block`` a padding row (for
+        warm-up and capture)."""
+        self._write({}, 0, bin_rows, block)
 
-    def _write(self, arrays: Mapping[str, np.ndarray], rows: int, bin_rows: int) -> None:
+    def _write(self, arrays: Mapping[str, np.ndarray], rows: int, bin_rows: int,
+               index: int) -> None:
         """Write ``arrays`` (``rows`` real rows) padded to ``bin_rows`` into the next host
-        mirror and copy the span the bin reads to the device block."""
+        mirror and copy the span the bin reads to device block ``index``."""
         turn = self.turn % len(self.mirrors)
         self.turn += 1
         event = self.copied[turn]
@@ -212,9 +242,27 @@ class InputFiller:
                 else:
                     host[:rows] = array.reshape(rows)
             span = max(span, place.offset + bin_rows * place.row_bytes)
-        self.block[:span].copy_(self.mirrors[turn][:span], non_blocking=event is not None)
-        if event is not None:
+        block, mirror = self.blocks[index], self.mirrors[turn][:span]
+        if self.copy_stream is None:
+            block[:span].copy_(mirror, non_blocking=event is not None)
+            if event is not None:
+                event.record()
+        else:
+            self._copy_beside(block[:span], mirror, index, event)
+        self.current = index
+
+    def _copy_beside(self, dst: torch.Tensor, src: torch.Tensor, index: int,
+                     event: torch.cuda.Event) -> None:
+        """Copy ``src`` into block ``index`` on the copy stream, after the last work of the
+        compute stream that may read that block, and make the compute stream wait for it."""
+        compute = torch.cuda.current_stream(self.device)
+        released = self.released
+        released[self.current].record(compute)  # all work so far that reads the current block
+        self.copy_stream.wait_event(released[index])
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
             event.record()
+        compute.wait_event(event)
 
     def _check(self, name: str, array: np.ndarray, rows: int) -> None:
         lim = self.limits

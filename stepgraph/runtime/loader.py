@@ -31,8 +31,8 @@ from stepgraph.runtime.binding import (
     static_buffers,
     static_shapes,
 )
+from stepgraph.runtime.capture import BinPlan, prepare_bin, warm
 from stepgraph.runtime.capture import capture as capture_bin
-from stepgraph.runtime.capture import prepare_bin, warm
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.inputs import InputFiller, Limits
 from stepgraph.runtime.progress import progress as progress_bar
@@ -179,6 +179,7 @@ def load(
     comm: Communicator | None = None,
     registry: Registry = REGISTRY,
     keep: Sequence[str] = (),
+    input_blocks: int | None = None,
 ) -> CompiledStep:
     """Load a compiled step onto ``device``.
 
@@ -196,7 +197,9 @@ def load(
     to the rank's shard, a mapping must hold the rank's shard already); ``registry``: the
     providers to choose from (a benchmark's ablation swaps some); ``keep``: temps whose
     values the step copies into ``CompiledStep.kept`` as they are produced (a check reads
-    the step's routing there).
+    the step's routing there); ``input_blocks``: device blocks of input buffers the steps
+    take in turn, each bin prepared (and captured) once per block, so that a step's input
+    copy overlaps the step before it (default: 2 with CUDA graphs, else 1).
     """
     graph, document = _graph_of(artifact)
     check_world(graph, comm)
@@ -229,11 +232,15 @@ def load(
                          device)
     fixed.update(caches)
     symbols = {"T": width}
+    use_graphs = capture and device.type == "cuda"
+    if input_blocks is None:
+        input_blocks = 2 if use_graphs else 1
     filler = InputFiller(static_shapes(graph, Storage.INPUT, bins[-1], symbols, compute),
-                         Limits(slots, blocks, block_size, width, vocab, q), device)
+                         Limits(slots, blocks, block_size, width, vocab, q), device,
+                         blocks=input_blocks)
     bindings = Bindings(
         fixed=fixed,
-        inputs=filler.buffers,
+        inputs=filler.buffer_sets[0],
         outputs=static_buffers(graph, Storage.OUTPUT, bins[-1], symbols, compute, device),
     )
     unknown = [name for name in keep if name not in graph.values
@@ -245,26 +252,29 @@ def load(
     arena = Arena.allocate(int(graph.meta["memory"]["arena_bytes"]), scale, device)
 
     preferences = _preferences(graph, target, notes)
-    use_graphs = capture and device.type == "cuda"
     pool = torch.cuda.graph_pool_handle() if use_graphs else None
     if comm is not None:
         comm.add_groups(group_sizes(graph))
         notes.append(f"rank {comm.rank} of {comm.world} ({comm.backend})")
-    plans = {}
+    plan_sets: list[dict[int, BinPlan]] = [{} for _ in filler.blocks]
     label = "capturing" if use_graphs else "preparing"
-    with torch.no_grad(), progress_bar(len(bins) * len(graph), label, progress) as advance:
+    total = len(bins) * len(graph) * len(filler.blocks)
+    with torch.no_grad(), progress_bar(total, label, progress) as advance:
         for size in bins:
             bindings.temps[size] = bind_temps(graph, size, arena, compute)
-            plan = prepare_bin(graph, size, bindings.for_bin(size), device, compute,
-                               preferences, pdl, advance,
-                               allowed=None if providers is None else set(providers),
-                               comm=comm, registry=registry, kept=kept)
-            filler.fill_padding(size)
-            warm(plan, device)
-            if use_graphs:
-                capture_bin(plan, pool, thread_local=comm is not None)
-            plans[size] = plan
-    return CompiledStep(graph=graph, device=device, dtype=compute, bins=bins, q=q, plans=plans,
+            for index, plans in enumerate(plan_sets):
+                plan = prepare_bin(graph, size,
+                                   bindings.for_bin(size, filler.buffer_sets[index]), device,
+                                   compute, preferences, pdl, advance,
+                                   allowed=None if providers is None else set(providers),
+                                   comm=comm, registry=registry, kept=kept)
+                filler.fill_padding(size, index)
+                warm(plan, device)
+                if use_graphs:
+                    capture_bin(plan, pool, thread_local=comm is not None)
+                plans[size] = plan
+    return CompiledStep(graph=graph, device=device, dtype=compute, bins=bins, q=q,
+                        plans=plan_sets[0], plan_sets=plan_sets,
                         bindings=bindings, arena=arena, filler=filler, caches=caches,
                         target=target, notes=notes, document=document, pool=pool, comm=comm,
                         kept=kept)

@@ -26,7 +26,9 @@ class CompiledStep:
 
     ``caches`` are the step's state tensors (one extra scratch slot and block each, see
     :mod:`stepgraph.runtime.inputs`); ``plans`` hold each bin's launches and provider
-    choices; ``report()`` says what runs where and why.
+    choices (bound to the first device block of input buffers; ``plan_sets`` holds the
+    bins' plans for every block, see :class:`~stepgraph.runtime.inputs.InputFiller`);
+    ``report()`` says what runs where and why.
     """
 
     graph: Graph
@@ -40,6 +42,7 @@ class CompiledStep:
     filler: InputFiller
     caches: dict[str, torch.Tensor]
     target: str
+    plan_sets: list[dict[int, BinPlan]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     document: dict[str, Any] | None = None
     pool: Any = None
@@ -120,9 +123,15 @@ class CompiledStep:
             return rows
         return self.comm.max_int(rows)
 
+    def plan(self, size: int) -> BinPlan:
+        """Bin ``size``'s plan bound to the input buffers the last fill wrote."""
+        sets = self.plan_sets or [self.plans]
+        return sets[self.filler.current][size]
+
     def replay(self, size: int) -> None:
-        """Run bin ``size`` on whatever the input buffers hold (a benchmark's inner loop)."""
-        plan = self.plans[size]
+        """Run bin ``size`` on whatever the last fill wrote into the input buffers (a
+        benchmark's inner loop)."""
+        plan = self.plan(size)
         with torch.no_grad():
             if plan.graph is not None:
                 plan.graph.replay()

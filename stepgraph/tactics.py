@@ -77,11 +77,15 @@ class StreamRule(_Strict):
     stream); ``join_lead``: join that many main-stream launches before the first reader
     (the launch carrying the join also waits on the branch's last launch); ``root_fork``: a
     graph with side branches also forks one empty launch onto the side stream at its root
-    (before the step's first launch), joined at the step's end."""
+    (before the step's first launch), joined at the step's end; ``signal``: a branch is
+    joined at its first reader by a flag its last launch sets and the reader's launch waits
+    on (no graph edge; a reader that cannot wait gets the graph join there), instead of at
+    ``join_lead``."""
 
     side_ops: tuple[str, ...] = ()
     join_lead: int = Field(default=0, ge=0)
     root_fork: bool = False
+    signal: bool = False
     source: str = "no side stream"
 
 

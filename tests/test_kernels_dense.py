@@ -222,6 +222,21 @@ def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
             launch()
             for which, (got, want) in enumerate(zip(outs, ref, strict=True)):
                 errors[f"attn_res_norm[{count}+{deltas}].{path}.{which}"] = rel_err(got, want)
+            if deltas:  # a delta from a signalled side-stream branch: wait on its flag
+                from stepgraph.runtime.kernels.sync import signal_kernel
+
+                flag = torch.zeros(2, dtype=torch.int32, device=device)
+                launch.awaits = flag
+                signal_kernel[(1,)](flag)
+                for t in outs:
+                    t.fill_(float("nan"))
+                launch()
+                launch.awaits = None
+                for which, (got, want) in enumerate(zip(outs, ref, strict=True)):
+                    errors[f"attn_res_norm[{count}+{deltas}].{path}.wait.{which}"] = rel_err(
+                        got, want)
+                # the last of the rows' programs left the flag and its counter at zero
+                assert flag.tolist() == [0, 0], f"the flag after the wait: {flag.tolist()}"
     bad = {name: e for name, e in errors.items() if not e < TOL_BF16}
     assert not bad, f"small ops rows={rows} width={width} pdl={pdl}: errors {bad} (NaN: unwritten)"
     return errors
@@ -431,6 +446,17 @@ def sm90_small_ops() -> None:
                 print(f"{c.name} width={width}: {c.regs} regs, {c.spills} B spilled")
                 assert c.spills == 0, f"{c.name} width={width}: spills {c.spills} bytes"
                 assert "griddepcontrol.wait" in c.ptx, f"{c.name}: no PDL wait"
+        # a mix waiting on a signalled branch's flag: it spins before its PDL wait, and so
+        # before its dependents may launch
+        flag = _meta(2, dtype=torch.int32)
+        for one_tile in (True, False):
+            mix = AttnResNorm([x] * 2, [x, x], w, w, w, _meta(64, width), _meta(64, width),
+                              1e-6, 1e-5, one_tile=one_tile, wait=flag)
+            mix.pdl = True
+            (c,) = sm90_compiles(mix)
+            assert c.spills == 0, f"waiting mix, width={width}: spills {c.spills}"
+            head = c.ptx[:c.ptx.index("griddepcontrol.wait")]
+            assert "gpu.acquire" in head, f"width={width}: no acquiring spin before the wait"
         # the one-tile mix with its sources readable before the wait loads them there
         for sources, deltas in ((2, 2), (3, 1)):
             loads = []

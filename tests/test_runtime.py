@@ -530,3 +530,19 @@ def test_the_root_fork_is_enqueued_before_the_first_launch(monkeypatch) -> None:
     events.clear()
     capture.BinPlan(1, launches, [], device=device).run_eager()
     assert events == ["launch 0", "launch 1", "launch 2", "join"]
+
+
+def test_signal_flags_one_a_branch_where_the_reader_is_its_own() -> None:
+    """A graph marked for signalled joins gets one zeroed int32 [2] flag per branch that has
+    a reader of its own; a reader two branches join before keeps its graph joins (no
+    flag); an unmarked graph gets none."""
+    from stepgraph.runtime.capture import signal_flags
+
+    graph = compiled("tiny_k3")
+    graph.meta["streams"] = {"signal": True}
+    side = {"a": "r1", "b": "r2", "c": "r2", "d": None}
+    flags = signal_flags(graph, side, torch.device("cpu"))
+    assert sorted(flags) == ["a"]
+    assert flags["a"].dtype == torch.int32 and flags["a"].tolist() == [0, 0]
+    graph.meta["streams"] = {"signal": False}
+    assert signal_flags(graph, side, torch.device("cpu")) == {}

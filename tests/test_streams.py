@@ -34,13 +34,13 @@ def _roots(graph: Graph, names: tuple[str, ...]) -> set[str]:
 
 def test_shared_experts_fork_after_their_input_and_join_before_their_reader() -> None:
     """k3-rank-tp8 on the H200: every shared expert runs on the side stream, right after the
-    node writing its input, and joins ``join_lead`` (the table's 2) main-stream launches
-    before the first node reading its output (the next layer's AttnRes); nothing between
-    the fork and that reader reads the output."""
+    node writing its input, and joins before the first node reading its output (the next
+    layer's AttnRes step; the H200 table hands it over there by a flag, ``signal``, so
+    ``join_lead`` is 0); nothing between the fork and that reader reads the output."""
     graph = _compiled("k3_rank_tp8.yaml")
     side = graph.meta["streams"]["side"]
     lead = graph.meta["streams"]["join_lead"]
-    assert lead == 1
+    assert graph.meta["streams"]["signal"] is True and lead == 0
     shared = [n.name for n in graph if n.op == "shared_expert"]
     assert sorted(side) == sorted(shared) and len(shared) == 12
     order = [n.name for n in graph]
@@ -55,7 +55,7 @@ def test_shared_experts_fork_after_their_input_and_join_before_their_reader() ->
                       if outputs & _roots(graph, graph.nodes[i].inputs))
         main = [i for i in range(at + 1, reader + 1) if order[i] not in side]
         assert order.index(join) == main[-1 - lead], (name, join)
-        assert graph.node(join).name.endswith("routed_up")  # the MoE tail's last GEMV
+        assert graph.node(join).op == "attn_res_norm"  # the reader itself
         for between in graph.nodes[at + 1:reader]:
             assert not outputs & _roots(graph, between.inputs), (name, between.name)
         # the branch overlaps the routed path: the router runs between fork and join
@@ -66,6 +66,7 @@ def test_join_lead_zero_joins_at_the_reader(tmp_path: Path) -> None:
     """A table with ``join_lead: 0`` joins each branch right before its first reader, and a
     lead longer than the window stops at the launch right after the branch."""
     data = yaml.safe_load((TABLES_DIR / "h200.yaml").read_text())
+    data["streams"]["signal"] = False  # the lead applies to graph joins
     for lead, expect in ((0, "attn_res_norm"), (99, "projection")):
         data["streams"]["join_lead"] = lead
         path = tmp_path / f"lead{lead}.yaml"
@@ -233,3 +234,28 @@ def test_explain_says_where_a_node_runs() -> None:
     assert f"stream: main; waits here for the side branch of {name}" in explain(graph, join)
     plain = next(n.name for n in graph if n.op == "kda_core")
     assert "stream:" not in explain(graph, plain)
+
+
+def test_signal_joins_each_branch_at_its_reader(tmp_path: Path) -> None:
+    """A table with ``streams.signal`` joins every branch right before its first reader (the
+    next layer's AttnRes step, ``join_lead`` unused) and marks the graph for the runtime's
+    flag hand-over; the table without it keeps the lead and no signal."""
+    data = yaml.safe_load((TABLES_DIR / "h200.yaml").read_text())
+    spec = load_spec(MODELS / "k3_rank_tp8.yaml")
+    deployment = override_deployment(spec.deployment, target="h200")
+    graphs = {}
+    for signal in (True, False):
+        data["streams"]["signal"] = signal
+        data["streams"]["join_lead"] = 1
+        path = tmp_path / f"signal{int(signal)}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        graphs[signal], _ = compile_graph(spec, deployment, tables_path=path)
+    on, off = graphs[True].meta["streams"], graphs[False].meta["streams"]
+    assert on["signal"] is True and on["join_lead"] == 0
+    assert off["signal"] is False and off["join_lead"] == 1
+    assert sorted(on["side"]) == sorted(off["side"]) and len(on["side"]) == 12
+    graph = graphs[True]
+    for name, join in on["side"].items():
+        assert graph.node(join).op == "attn_res_norm", (name, join)
+        assert _roots(graph, graph.node(name).outputs) & _roots(graph, graph.node(join).inputs)
+        assert graphs[False].node(off["side"][name]).op == "projection"  # routed_up

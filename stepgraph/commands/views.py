@@ -121,7 +121,8 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
         "caps": graph.meta.get("caps", {}),
         "streams": {"side": side, "side_ops": dict(sorted(Counter(
             graph.node(name).op for name in side).items())),
-            "root_fork": bool(graph.meta.get("streams", {}).get("root_fork"))},
+            "root_fork": bool(graph.meta.get("streams", {}).get("root_fork")),
+            "signal": bool(graph.meta.get("streams", {}).get("signal"))},
     }
 
 
@@ -179,6 +180,8 @@ def summary_text(data: dict[str, Any], path: str) -> str:
         lines.append(f"streams    {len(streams['side'])} launches on a side stream ("
                      + ", ".join(f"{n} {op}" for op, n in streams["side_ops"].items())
                      + "), each joined at or before its first reader"
+                     + (" (a flag the reader waits on, where it can)" if streams.get("signal")
+                        else "")
                      + ("; an empty launch forked there at the root" if streams.get("root_fork")
                         else ""))
     planned = [b for b in data["bins"] if "memory" in b]

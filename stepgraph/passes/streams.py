@@ -19,6 +19,14 @@ new and old positions reads. Nothing else moves, so collectives keep their relat
 A branch whose window (fork to join) holds a collective stays on the main stream, where it
 was: NCCL kernels beside a side stream inside a CUDA graph are not verified on two GPUs yet.
 
+Signal: with ``streams.signal`` (table data) a branch joins before its first reader itself
+(``join_lead`` unused) and ``meta["streams"]["signal"]`` asks the runtime to hand it over
+without a graph edge: the branch's last launch is followed by one that sets a flag, and the
+reader's launch waits on the flag (an AttnRes step waits before it lets its own dependents
+launch, so the branch always finds SMs to run on); a reader whose launch cannot wait gets
+the graph join. On the H200 the join's edge kept the launch carrying it from starting
+early under PDL (docs/perf.md, eighteenth session).
+
 Root fork: with ``streams.root_fork`` (table data) a graph that has side branches also
 forks one empty launch onto the side stream before the step's first launch, joined at the
 step's end (``meta["streams"]["root_fork"]``; the runtime adds it): on the H200 that makes
@@ -97,7 +105,7 @@ class Streams:
             index = next(i for i, n in enumerate(nodes) if n is node)
             target = _earliest(g, nodes, index)
             trial = [*nodes[:target], node, *nodes[target:index], *nodes[index + 1:]]
-            join = _join_before(g, trial, target, set(side), rule.join_lead)
+            join = _join_before(g, trial, target, set(side), 0 if rule.signal else rule.join_lead)
             stop = next((i for i, n in enumerate(trial) if n.name == join), len(trial))
             if any(is_collective(n) for n in trial[target + 1:stop]):
                 kept += 1  # NCCL beside a side stream: not verified on two GPUs yet
@@ -107,7 +115,8 @@ class Streams:
             side[node.name] = join
         g.set_nodes(nodes)
         g.meta["streams"] = {"side": side, "side_ops": list(side_ops),
-                             "join_lead": rule.join_lead,
+                             "join_lead": 0 if rule.signal else rule.join_lead,
+                             "signal": bool(side) and rule.signal,
                              "root_fork": (bool(side) and rule.root_fork
                                            and not any(is_collective(n) for n in nodes))}
         if not self.enabled:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ from stepgraph.ir.nodes import Node
 from stepgraph.memory.liveness import side_branches
 from stepgraph.runtime.binding import regroup_launches
 from stepgraph.runtime.comm import Communicator
-from stepgraph.runtime.kernels.launch_utils import scratch_namespace
+from stepgraph.runtime.kernels.launch_utils import scratch, scratch_namespace
+from stepgraph.runtime.kernels.sync import signal_kernel
 from stepgraph.runtime.providers.registry import (
     REGISTRY,
     Launch,
@@ -35,7 +37,9 @@ class BinContext:
     :class:`~stepgraph.runtime.providers.registry.PrepareContext`), plus the step's compute
     ``dtype``, the ``graph`` and, for a multi-rank step, its communicator ``comm``;
     ``pre_wait``: the inputs it may read before its PDL wait (the pdl pass's
-    ``pre_wait_inputs``; empty without PDL)."""
+    ``pre_wait_inputs``; empty without PDL); ``wait_flag``: the flag of a side-stream branch
+    the node reads (the streams pass's ``signal``), for a launch that can wait on it instead
+    of a graph join (it sets its ``awaits`` to the flag; else the runtime joins)."""
 
     node: Node
     rows: int
@@ -47,6 +51,7 @@ class BinContext:
     bound: Mapping[str, torch.Tensor]
     comm: Communicator | None = None
     pre_wait: frozenset[str] = frozenset()
+    wait_flag: torch.Tensor | None = None  # a signalled branch's flag this launch waits on
 
     def tensor(self, name: str) -> torch.Tensor:
         """The bound tensor of value ``name``."""
@@ -175,20 +180,26 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
             lambda src=bound[name], dst=buffer[:rows]: dst.copy_(src))
     side = device_side_branches(graph, device)
     joins = {join for join in side.values() if join is not None}
+    flags = signal_flags(graph, side, device)
+    waits = {side[name]: flag for name, flag in flags.items()}
     for node in graph:
         wanted, tactic = decision(graph, node, rows)
         node_uses_pdl = node_pdl(graph, node, rows, pdl)
         ctx = BinContext(node, rows, tactic, node_uses_pdl, device, dtype, graph, bound, comm,
-                         node_pre_wait(graph, node) if node_uses_pdl else frozenset())
+                         node_pre_wait(graph, node) if node_uses_pdl else frozenset(),
+                         waits.get(node.name))
         with scratch_namespace("side" if node.name in side else ""):
             launch, choice = prepare_node(ctx, wanted, preferences(node.op), registry,
                                           allowed)
+        waited = ctx.wait_flag is not None and getattr(launch, "awaits", None) is ctx.wait_flag
         refresh = [copy for name in node.outputs for copy in regroups.get(name, ())]
         if refresh:
             launch = _then(launch, refresh)
+        if node.name in flags:
+            launch = _then(launch, [partial(signal, flags[node.name])])
         if node.name in side:
             launch = _forked(launch, device)
-        if node.name in joins:
+        if node.name in joins and not waited:
             launch = _joined(launch, device)
         launches.append(launch)
         choices.append(choice)
@@ -197,6 +208,23 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
     root_fork = bool(side) and bool(graph.meta.get("streams", {}).get("root_fork"))
     return BinPlan(rows, launches, choices, names=[n.name for n in graph], device=device,
                    root_fork=root_fork)
+
+
+def signal_flags(graph: Graph, side: Mapping[str, str | None], device: torch.device
+                 ) -> dict[str, torch.Tensor]:
+    """The streams pass's signalled branches (``meta["streams"]["signal"]``) -> the flag
+    (int32 [2], zeroed, one a branch) its last launch sets and its reader waits on; a
+    reader that more than one branch joins before keeps its graph joins."""
+    if not graph.meta.get("streams", {}).get("signal"):
+        return {}
+    readers = [join for join in side.values() if join is not None]
+    return {name: scratch(device, f"streams.signal.{name}", 2, torch.int32, zeroed=True)
+            for name, join in side.items() if join is not None and readers.count(join) == 1}
+
+
+def signal(flag: torch.Tensor) -> None:
+    """Set a signalled branch's flag, on the current (side) stream after its last launch."""
+    signal_kernel[(1,)](flag)
 
 
 def device_side_branches(graph: Graph, device: torch.device) -> dict[str, str | None]:

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from stepgraph.errors import UserError
 from stepgraph.runtime.kernels.launch_utils import next_pow2, pdl_allowed, scratch
+from stepgraph.runtime.kernels.sync import await_signal
 
 MAX_ROW = 32768  # the widest row one program holds (RMSNorm, AttnRes)
 ADD_BLOCK = 1024
@@ -167,9 +168,10 @@ def _add_deltas(last, deltas, delta_strides, prefix_ptr, row, stride_pr, offs, m
 
 @triton.jit
 def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
-                     prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps,
+                     prefix_ptr, probs_ptr, H, stride_or, stride_pr, eps, norm_eps, flag_ptr,
                      N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
-                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr):
+                     CHUNK: tl.constexpr, USE_PDL: tl.constexpr, STAGES: tl.constexpr,
+                     WAIT: tl.constexpr):
     """One row of the fused AttnRes step, in three sweeps over column chunks of the row:
     (1) prefix = srcs[-1] + sum(deltas), stored, and every source's query dot and square
     sum, accumulated per column in an [S_PAD, CHUNK] tile and reduced once; the softmax
@@ -177,11 +179,13 @@ def _mix_norm_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, 
     of reducing again; (2) the weighted sum, stored in the output's dtype (where the unfused
     mix stored it) with its square sum; (3) RMSNorm of the stored mix with ``w``. CTA
     barriers make the stored prefix, weights and mix visible to the threads rereading
-    them."""
+    them. ``WAIT``: as :func:`_mix_norm_row_kernel`."""
     row = tl.program_id(0)
     cols = tl.arange(0, CHUNK)
     idx = tl.arange(0, S_PAD)
     sel = idx[:, None]
+    if WAIT:
+        await_signal(flag_ptr, tl.num_programs(0))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -252,10 +256,10 @@ def _row_sources(srcs, strides, row, cols, mask, sel, N_SRC: tl.constexpr,
 
 @triton.jit
 def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
-                         prefix_ptr, H, stride_or, stride_pr, eps, norm_eps,
+                         prefix_ptr, H, stride_or, stride_pr, eps, norm_eps, flag_ptr,
                          N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                         PRE_SOURCES: tl.constexpr):
+                         PRE_SOURCES: tl.constexpr, WAIT: tl.constexpr):
     """One row of the fused AttnRes step held whole in registers (an [S_PAD, BLOCK] tile of
     the sources): each source read once, the prefix and the normed mix written once, no
     sweep rereads the row. The same roundings as :func:`_mix_norm_kernel` (the prefix and the
@@ -263,7 +267,10 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     layout, so that placing a source in the tile and reducing need no layout conversion
     (each one a round trip through shared memory with barriers). ``PRE_SOURCES``: the
     sources were written by launches that have completed when this one starts (the pdl
-    pass's ``pre_wait_inputs``), so they load before the PDL wait; only the deltas after."""
+    pass's ``pre_wait_inputs``), so they load before the PDL wait; only the deltas after.
+    ``WAIT``: a side-stream branch's output among the deltas is signalled at ``flag_ptr``
+    (:func:`~stepgraph.runtime.kernels.sync.await_signal`, before the PDL wait and before
+    the dependents may launch)."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)[None, :]
     mask = cols < H
@@ -273,6 +280,8 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PRE_SOURCES:
         vals, last = _row_sources(srcs, strides, row, cols, mask, sel, N_SRC, S_PAD, BLOCK)
+    if WAIT:
+        await_signal(flag_ptr, tl.num_programs(0))
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -423,12 +432,16 @@ class AttnResNorm:
     ``out``. One launch, one program a row: the whole row in registers where the sources x
     columns fit :data:`ROW_TILE` (K3: 2 or 3 sources of 7168), else three sweeps in column
     chunks (``one_tile=False`` forces the sweeps). ``pre_sources``: the sources may be read
-    before the PDL wait (the one-tile form loads them there)."""
+    before the PDL wait (the one-tile form loads them there). ``wait``: an int32 [2] flag
+    (and arrival counter) that a side-stream branch writing one of the deltas sets when it
+    is done (:func:`~stepgraph.runtime.kernels.sync.signal_kernel`): the launch waits on it
+    instead of a graph edge (:attr:`awaits` is that flag)."""
 
     def __init__(self, sources: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
                  query: torch.Tensor, mix_norm: torch.Tensor, weight: torch.Tensor,
                  out: torch.Tensor, prefix: torch.Tensor | None, eps: float, norm_eps: float,
-                 pdl: bool = False, one_tile: bool = True, pre_sources: bool = False) -> None:
+                 pdl: bool = False, one_tile: bool = True, pre_sources: bool = False,
+                 wait: torch.Tensor | None = None) -> None:
         if not 1 <= len(sources) <= MAX_SOURCES or len(deltas) > MAX_SOURCES:
             raise NotImplementedError(f"attn_res_norm: {len(sources)} sources, {len(deltas)} "
                                       f"deltas (1..{MAX_SOURCES} each)")
@@ -456,6 +469,10 @@ class AttnResNorm:
                              torch.float32)
         self.pdl = pdl_allowed(pdl, out.device)
         self.pre_sources = pre_sources and self.pdl
+        if wait is not None and (wait.dtype != torch.int32 or wait.numel() < 2):
+            raise UserError(f"attn_res_norm: the wait flag must be int32 [2], got "
+                            f"{wait.dtype} [{wait.numel()}]")
+        self.awaits = wait
 
     def __call__(self) -> None:
         """Enqueue the launch."""
@@ -464,9 +481,11 @@ class AttnResNorm:
             return
         rows_in = (self.sources, self.strides, self.deltas, self.delta_strides, self.query,
                    self.mix_norm, self.weight, self.out, self.prefix)
-        sizes = (width, self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps)
+        flag = self.awaits if self.awaits is not None else self.probs  # unread without WAIT
+        sizes = (width, self.out.stride(0), self.prefix.stride(0), self.eps, self.norm_eps,
+                 flag)
         shape = dict(N_SRC=len(self.sources), N_DELTA=self.n_delta, S_PAD=self.s_pad,
-                     USE_PDL=self.pdl, launch_pdl=self.pdl)
+                     USE_PDL=self.pdl, WAIT=self.awaits is not None, launch_pdl=self.pdl)
         if self.one_tile:
             _mix_norm_row_kernel[(rows,)](*rows_in, *sizes, BLOCK=self.block,
                                           PRE_SOURCES=self.pre_sources, num_warps=ROW_WARPS,

@@ -34,3 +34,29 @@ def arrive(counter_ptr, anchor, FENCE: tl.constexpr):
 def reset(counter_ptr):
     """Leave the counter at zero for the next launch (called by the last to arrive)."""
     tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+# Hand-offs between launches of two streams without a graph edge (the streams pass's
+# signalled branches): the branch's last launch is followed on its stream by
+# :func:`signal_kernel`, and the reader's programs spin in :func:`await_signal` before they
+# read the branch's outputs or let their own dependents launch. Deadlock-free as long as
+# the waiting launch is small (a program a row): the branch's launches always find an SM.
+
+
+@triton.jit
+def signal_kernel(flag_ptr):
+    """Set the flag (release: everything the stream ran before this launch is visible to a
+    program that reads the flag with acquire)."""
+    tl.atomic_xchg(flag_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def await_signal(flag_ptr, programs):
+    """Spin until the flag at ``flag_ptr`` is set (acquire); the last of the launch's
+    ``programs`` programs to get past it clears the flag and its arrival counter at
+    ``flag_ptr + 1`` for the next step (every other program is past the spin by then)."""
+    while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu") == 0:
+        pass
+    if tl.atomic_add(flag_ptr + 1, 1, sem="relaxed", scope="gpu") == programs - 1:
+        tl.atomic_xchg(flag_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(flag_ptr + 1, 0, sem="relaxed", scope="gpu")

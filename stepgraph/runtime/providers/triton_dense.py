@@ -123,7 +123,8 @@ def attn_res_mix(ctx: PrepareContext) -> Launch:
           note="prefix sum + AttnRes mix + RMSNorm in one launch, one program a row, PDL")
 def attn_res_norm(ctx: PrepareContext) -> Launch:
     """The fuse pass's node: prefix sum, AttnRes mix and RMSNorm in one kernel; the sources
-    load before the PDL wait when the pdl pass marks them all readable there."""
+    load before the PDL wait when the pdl pass marks them all readable there; with the
+    context's ``wait_flag`` (a signalled side-stream branch) it waits on that flag."""
     attrs = ctx.node.attrs
     count, deltas = int(attrs["sources"]), int(attrs["deltas"])
     ins = ctx.inputs()
@@ -132,7 +133,8 @@ def attn_res_norm(ctx: PrepareContext) -> Launch:
     early = all(name in ctx.pre_wait for name in ctx.node.inputs[:count])
     return AttnResNorm(ins[:count], ins[count:count + deltas], query, mix_norm, weight,
                        outs[0], outs[1] if deltas else None, attrs["eps"],
-                       attrs["norm_eps"], pdl=ctx.pdl, pre_sources=early)
+                       attrs["norm_eps"], pdl=ctx.pdl, pre_sources=early,
+                       wait=getattr(ctx, "wait_flag", None))
 
 
 @register("router", "triton", note="scores + biased top-k + renormalise in one kernel, PDL")

@@ -27,30 +27,12 @@ __device__ __forceinline__ int4 load(const int4* p) {
   return *p;
 }
 
-// Grid-stride read: each thread keeps UNROLL 16-byte loads in flight.
+// Reads src[i], src[i + step], ... below hi, UNROLL 16-byte loads a thread in flight; returns
+// their xor (so the loads are kept).
 template <int F, int UNROLL>
-__global__ void read_stride(const int4* __restrict__ src, size_t n, int* out) {
-  size_t stride = (size_t)gridDim.x * blockDim.x;
-  size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+__device__ __forceinline__ int read_range(const int4* __restrict__ src, size_t i, size_t hi,
+                                          size_t step) {
   int acc = 0;
-  for (; i + (UNROLL - 1) * stride < n; i += UNROLL * stride) {
-    int4 v[UNROLL];
-#pragma unroll
-    for (int u = 0; u < UNROLL; u++) v[u] = load<F>(src + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < UNROLL; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < n; i += stride) { int4 v = load<F>(src + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
-  if (acc == 0x7eadbeef) out[0] = acc;  // never true on random data; keeps the loads
-}
-
-// Tiled read: block b reads tile b (tile int4s contiguous), UNROLL loads a thread in flight.
-template <int F, int UNROLL>
-__global__ void read_tiles(const int4* __restrict__ src, size_t n, size_t tile, int* out) {
-  size_t lo = blockIdx.x * tile, hi = min(n, lo + tile);
-  int acc = 0;
-  size_t i = lo + threadIdx.x;
-  size_t step = blockDim.x;
   for (; i + (UNROLL - 1) * step < hi; i += UNROLL * step) {
     int4 v[UNROLL];
 #pragma unroll
@@ -59,6 +41,23 @@ __global__ void read_tiles(const int4* __restrict__ src, size_t n, size_t tile, 
     for (int u = 0; u < UNROLL; u++) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   for (; i < hi; i += step) { int4 v = load<F>(src + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
+  return acc;
+}
+
+// Grid-stride read over the whole buffer.
+template <int F, int UNROLL>
+__global__ void read_stride(const int4* __restrict__ src, size_t n, int* out) {
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  int acc = read_range<F, UNROLL>(src, blockIdx.x * (size_t)blockDim.x + threadIdx.x, n,
+                                  stride);
+  if (acc == 0x7eadbeef) out[0] = acc;  // never true on random data; keeps the loads
+}
+
+// Tiled read: block b reads tile b (tile int4s contiguous).
+template <int F, int UNROLL>
+__global__ void read_tiles(const int4* __restrict__ src, size_t n, size_t tile, int* out) {
+  size_t lo = blockIdx.x * tile, hi = min(n, lo + tile);
+  int acc = read_range<F, UNROLL>(src, lo + threadIdx.x, hi, blockDim.x);
   if (acc == 0x7eadbeef) out[0] = acc;
 }
 

@@ -546,3 +546,44 @@ def test_signal_flags_one_a_branch_where_the_reader_is_its_own() -> None:
     assert flags["a"].dtype == torch.int32 and flags["a"].tolist() == [0, 0]
     graph.meta["streams"] = {"signal": False}
     assert signal_flags(graph, side, torch.device("cpu")) == {}
+
+
+def test_a_branch_signals_only_where_its_reader_waits(monkeypatch) -> None:
+    """The runtime's flag hand-over, wired on the CPU (forks run inline): where the reader's
+    launch takes the flag, the branch's launch sets it after its own work and the reader
+    carries no graph join; where the reader cannot wait (the torch provider), the branch
+    sets no flag and the reader joins. Logits match the reference both ways."""
+    from stepgraph.memory.liveness import side_branches
+    from stepgraph.runtime import capture
+    from stepgraph.runtime.providers.registry import REGISTRY, ProviderEntry, Registry
+
+    graph = compiled("tiny_k3", target="h200")
+    assert graph.meta["streams"]["signal"] and graph.meta["streams"]["side"]
+    branches = len(graph.meta["streams"]["side"])
+    events: list[str] = []
+    monkeypatch.setattr(capture, "device_side_branches", lambda g, d: side_branches(g))
+    monkeypatch.setattr(capture, "fork", lambda device, launch: (events.append("fork"),
+                                                                 launch()))
+    monkeypatch.setattr(capture, "fork_empty", lambda device: events.append("root"))
+    monkeypatch.setattr(capture, "join", lambda device: events.append("join"))
+    monkeypatch.setattr(capture, "signal", lambda flag: events.append("signal"))
+    torch_norm = REGISTRY.get("attn_res_norm", "torch")
+
+    def waiting(ctx):
+        launch = torch_norm.factory(ctx)
+        launch.awaits = ctx.wait_flag  # a launch that takes the flag says so
+        return launch
+
+    custom = Registry(dict(REGISTRY.entries))
+    custom.add(ProviderEntry("attn_res_norm", "torch", waiting, ("cuda", "cpu")))
+    want = run_prompts(reference_runner(graph, len(PROMPTS)), PROMPTS)
+    for registry, signals, joins in ((custom, branches, 1), (REGISTRY, 0, branches + 1)):
+        step = cpu_step(graph, registry=registry)
+        events.clear()
+        step.replay(step.bins[0])
+        assert events.count("fork") == branches
+        assert events.count("signal") == signals and events.count("join") == joins, events
+        if signals:  # each branch sets its flag right after its own work, on its stream
+            assert all(a == "fork" for a, b in itertools.pairwise(events) if b == "signal")
+        got = run_prompts(CompiledDecodeRunner(step), PROMPTS)
+        assert worst_relative(got, want) < 1e-5

@@ -182,6 +182,10 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
     joins = {join for join in side.values() if join is not None}
     flags = signal_flags(graph, side, device)
     waits = {side[name]: flag for name, flag in flags.items()}
+    # a branch sets its flag only if its reader's launch waits on it (decided later, when
+    # the reader is prepared): a flag set and never cleared would release a later wait early
+    signals: dict[str, list[Launch]] = {name: [] for name in flags}
+    branch_of = {side[name]: name for name in flags}
     for node in graph:
         wanted, tactic = decision(graph, node, rows)
         node_uses_pdl = node_pdl(graph, node, rows, pdl)
@@ -196,9 +200,12 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
         if refresh:
             launch = _then(launch, refresh)
         if node.name in flags:
-            launch = _then(launch, [partial(signal, flags[node.name])])
+            launch = _then(launch, signals[node.name])
         if node.name in side:
             launch = _forked(launch, device)
+        if waited:
+            branch = branch_of[node.name]
+            signals[branch].append(partial(signal, flags[branch]))
         if node.name in joins and not waited:
             launch = _joined(launch, device)
         launches.append(launch)

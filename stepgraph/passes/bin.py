@@ -210,7 +210,9 @@ def _stream_lines(graph: Graph, node: Node) -> list[str]:
                 f"{f'before {join}' if join else 'at the step end'})"]
     joined = sorted(name for name, join in side.items() if join == node.name)
     if joined:
-        return [f"  stream: main; waits here for the side branch of {', '.join(joined)}"]
+        how = (" (on a flag the branch sets, where this node's launch can wait on one; "
+               "else a graph join)" if graph.meta.get("streams", {}).get("signal") else "")
+        return [f"  stream: main; waits here for the side branch of {', '.join(joined)}{how}"]
     return []
 
 

@@ -17,7 +17,7 @@ import torch
 
 from stepgraph.artifact import load_artifact
 from stepgraph.bench.ab import INPUT_SETS, shared_weights
-from stepgraph.bench.protocol import build_feeds, fill_caches, time_calls
+from stepgraph.bench.protocol import build_feeds, fill_caches, serving_call, time_calls
 from stepgraph.runtime import StepInputs, load
 
 
@@ -45,8 +45,7 @@ def main() -> int:
         fill_caches(step.caches, 0)
         forms.update({
             f"{blocks} block(s): step (fill, replay, clone)": step.step,
-            f"{blocks} block(s): step, clone=False (bench)":
-                lambda inp, s=step: s.step(inp, clone=False),
+            f"{blocks} block(s): step, clone=False (bench)": serving_call(step),
             f"{blocks} block(s): replay only": lambda inp, s=step, n=size: s.replay(n),
             f"{blocks} block(s): fill only": lambda inp, s=step, n=size: s.filler.fill(inp, n),
         })

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stepgraph.artifact import Artifact
-from stepgraph.bench.protocol import build_feeds, fill_caches, time_calls
+from stepgraph.bench.protocol import build_feeds, fill_caches, serving_call, time_calls
 from stepgraph.bench.weights import device_random_weights
 from stepgraph.runtime import StepInputs, load
 from stepgraph.runtime.step import CompiledStep
@@ -75,7 +75,6 @@ def compare(steps: Sequence[CompiledStep], rows: int, context: int, rounds: int,
     for _ in range(rounds):
         for step, result in zip(steps, results, strict=True):
             with torch.no_grad():
-                got = time_calls(lambda inp, s=step: s.step(inp, clone=False), inputs,
-                                 replays, 10, step.device)
+                got = time_calls(serving_call(step), inputs, replays, 10, step.device)
             result.rounds.append(statistics.median(got))
     return results

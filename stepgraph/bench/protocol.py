@@ -101,6 +101,14 @@ def time_calls(call: Callable[[Any], Any], args: Sequence[Any], replays: int, wa
     return [start.elapsed_time(end) * 1e3 for start, end in pairs]
 
 
+def serving_call(step: Any) -> Callable[[Any], Any]:
+    """The call a benchmark times for a compiled step (a
+    :class:`~stepgraph.runtime.step.CompiledStep`), as a serving loop makes it: inputs ->
+    the inputs' copy and the replay, the logits left in the step's output buffer (no copy
+    of them; the sampler reads them there)."""
+    return lambda inputs: step.step(inputs, clone=False)
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64 (inf when ``ref`` is all zeros and ``out`` is
     not; NaN propagates)."""

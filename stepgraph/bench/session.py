@@ -53,6 +53,7 @@ from stepgraph.bench.protocol import (
     next_feed,
     relative_error,
     router_ids,
+    serving_call,
     synchronize,
     time_calls,
     touched_experts,
@@ -360,7 +361,7 @@ class Session:
         from stepgraph.runtime import StepInputs
 
         inputs = [StepInputs.from_feed(f) for f in feeds]
-        result.timings[mode] = self.time(lambda inp: compiled.step(inp, clone=False), inputs)
+        result.timings[mode] = self.time(serving_call(compiled), inputs)
         if mode == "stepgraph":
             result.checks.setdefault(mode, []).append(
                 self.check(compiled, compiled.graph, feeds[0], 1,

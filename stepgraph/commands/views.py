@@ -93,6 +93,7 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
     weights = weight_rows(graph)
     temps = graph.values_of(Storage.TEMP)
     side = side_branches(graph)
+    streams = graph.meta.get("streams", {})
     ops = Counter(node.op for node in graph)
     collectives = {op: n for op, n in ops.items() if OPS[op].category == "collective"}
     deployment = document["deployment"]
@@ -121,8 +122,7 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
         "caps": graph.meta.get("caps", {}),
         "streams": {"side": side, "side_ops": dict(sorted(Counter(
             graph.node(name).op for name in side).items())),
-            "root_fork": bool(graph.meta.get("streams", {}).get("root_fork")),
-            "signal": bool(graph.meta.get("streams", {}).get("signal"))},
+            **{key: bool(streams.get(key)) for key in ("root_fork", "signal")}},
     }
 
 

@@ -96,6 +96,7 @@ class Streams:
         g = graph.copy()
         rule = tables_for(g, ctx).streams
         side_ops = rule.side_ops if self.enabled else ()
+        lead = 0 if rule.signal else rule.join_lead  # a signalled branch joins at its reader
         nodes = list(g)
         side: dict[str, str | None] = {}
         moved = kept = 0
@@ -105,7 +106,7 @@ class Streams:
             index = next(i for i, n in enumerate(nodes) if n is node)
             target = _earliest(g, nodes, index)
             trial = [*nodes[:target], node, *nodes[target:index], *nodes[index + 1:]]
-            join = _join_before(g, trial, target, set(side), 0 if rule.signal else rule.join_lead)
+            join = _join_before(g, trial, target, set(side), lead)
             stop = next((i for i, n in enumerate(trial) if n.name == join), len(trial))
             if any(is_collective(n) for n in trial[target + 1:stop]):
                 kept += 1  # NCCL beside a side stream: not verified on two GPUs yet
@@ -115,7 +116,7 @@ class Streams:
             side[node.name] = join
         g.set_nodes(nodes)
         g.meta["streams"] = {"side": side, "side_ops": list(side_ops),
-                             "join_lead": 0 if rule.signal else rule.join_lead,
+                             "join_lead": lead,
                              "signal": bool(side) and rule.signal,
                              "root_fork": (bool(side) and rule.root_fork
                                            and not any(is_collective(n) for n in nodes))}

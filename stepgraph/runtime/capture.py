@@ -181,17 +181,16 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
     side = device_side_branches(graph, device)
     joins = {join for join in side.values() if join is not None}
     flags = signal_flags(graph, side, device)
-    waits = {side[name]: flag for name, flag in flags.items()}
+    branch_of = {side[name]: name for name in flags}  # reader -> its signalled branch
     # a branch sets its flag only if its reader's launch waits on it (decided later, when
     # the reader is prepared): a flag set and never cleared would release a later wait early
     signals: dict[str, list[Launch]] = {name: [] for name in flags}
-    branch_of = {side[name]: name for name in flags}
     for node in graph:
         wanted, tactic = decision(graph, node, rows)
         node_uses_pdl = node_pdl(graph, node, rows, pdl)
         ctx = BinContext(node, rows, tactic, node_uses_pdl, device, dtype, graph, bound, comm,
                          node_pre_wait(graph, node) if node_uses_pdl else frozenset(),
-                         waits.get(node.name))
+                         flags.get(branch_of.get(node.name, "")))
         with scratch_namespace("side" if node.name in side else ""):
             launch, choice = prepare_node(ctx, wanted, preferences(node.op), registry,
                                           allowed)
@@ -204,8 +203,7 @@ def prepare_bin(graph: Graph, rows: int, bound: Mapping[str, torch.Tensor],
         if node.name in side:
             launch = _forked(launch, device)
         if waited:
-            branch = branch_of[node.name]
-            signals[branch].append(partial(signal, flags[branch]))
+            signals[branch_of[node.name]].append(partial(signal, ctx.wait_flag))
         if node.name in joins and not waited:
             launch = _joined(launch, device)
         launches.append(launch)

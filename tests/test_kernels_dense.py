@@ -215,8 +215,11 @@ def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
                      + [query.float(), norm.float(), weight_n.float()], attrs,
                      [torch.float32] * len(outs))
         paths = ["tile", "sweeps"] if launch.one_tile else ["sweeps"]
+        if launch.one_tile and count >= 2:
+            paths.append("gram")  # the earlier sources mixed before the wait
         for path in paths:  # the row held in registers where it fits, and the sweeps
-            launch.one_tile = path == "tile"
+            launch.one_tile = path in ("tile", "gram")
+            launch.pre_sources = launch.gram = path == "gram"
             for t in outs:
                 t.fill_(float("nan"))
             launch()
@@ -237,8 +240,36 @@ def check_small_ops(rows: int, width: int, device: str, pdl: bool = False,
                         got, want)
                 # the last of the rows' programs left the flag and its counter at zero
                 assert flag.tolist() == [0, 0], f"the flag after the wait: {flag.tolist()}"
+    errors.update(check_mix_cancelling(rows, width, device, rnd, weight_n, pdl))
     bad = {name: e for name, e in errors.items() if not e < TOL_BF16}
     assert not bad, f"small ops rows={rows} width={width} pdl={pdl}: errors {bad} (NaN: unwritten)"
+    return errors
+
+
+def check_mix_cancelling(rows: int, width: int, device: str, rnd: Any, weight: Any,
+                         pdl: bool) -> dict[str, float]:
+    """attn_res_norm where the mix nearly cancels: sources ``v`` and ``bf16(-v + 1e-3 r)``
+    (mostly ``-v`` exactly) weighted alike (a zero query), so the mix is only their rounding
+    residue and the Gram form's mean square from dot products of size ``|v|^2`` keeps no
+    digit of it: it must recompute it from the mix. No deltas, so no BF16 prefix store
+    rounds the residue away; every path against the float32 reference on the same inputs."""
+    from stepgraph.runtime.providers import triton_dense as td
+
+    base = rnd(rows, width)
+    srcs = [base, (-base.float() + 1e-3 * rnd(rows, width).float()).to(torch.bfloat16)]
+    query, norm = torch.zeros_like(weight), rnd(width, scale=0.3)
+    attrs = {"sources": 2, "deltas": 0, "eps": 1e-6, "norm_eps": 1e-5}
+    out = _poisoned(rows, width, torch.bfloat16, device, pad=1)
+    node = node_of("attn_res_norm", 5, 1, **attrs)
+    launch = td.attn_res_norm(context(node, [*srcs, query, norm, weight, out], pdl=pdl))
+    (want,) = ref_op("attn_res_norm", [t.float() for t in (*srcs, query, norm, weight)],
+                     attrs, [torch.float32])
+    errors = {}
+    for path in ("tile", "gram") if launch.one_tile else ("sweeps",):
+        launch.pre_sources = launch.gram = path == "gram"
+        out.fill_(float("nan"))
+        launch()
+        errors[f"attn_res_norm[cancelling].{path}"] = rel_err(out, want)
     return errors
 
 
@@ -470,6 +501,18 @@ def sm90_small_ops() -> None:
             print(f"attn_res_norm {sources}+{deltas} width={width}: loads before the wait "
                   f"{loads[0]} -> {loads[1]}")
             assert loads[1] > loads[0], f"width={width}: no source loads before the wait"
+            # the earlier sources mixed before the wait: fewer barriers after it
+            barriers = []
+            for gram in (False, True):
+                mix = AttnResNorm([x] * sources, [x] * deltas, w, w, w, _meta(64, width),
+                                  _meta(64, width), 1e-6, 1e-5)
+                mix.pdl, mix.pre_sources, mix.gram = True, True, gram
+                (c,) = sm90_compiles(mix)
+                assert c.spills == 0, f"gram={gram}, width={width}: spills {c.spills}"
+                barriers.append(c.ptx[c.ptx.index("griddepcontrol.wait"):].count("bar.sync"))
+            print(f"attn_res_norm {sources}+{deltas} width={width}: barriers after the wait "
+                  f"{barriers[0]} -> {barriers[1]} (gram; its rare recompute's included)")
+            assert barriers[1] < barriers[0], f"width={width}: gram form saves no barrier"
 
 
 # ----------------------------------------------------------------------------- CPU tests

@@ -16,6 +16,7 @@ import triton.language as tl
 
 from stepgraph.errors import UserError
 from stepgraph.runtime.kernels.launch_utils import next_pow2, pdl_allowed, scratch
+from stepgraph.runtime.kernels.sums import sums3
 from stepgraph.runtime.kernels.sync import await_signal
 
 MAX_ROW = 32768  # the widest row one program holds (RMSNorm, AttnRes)
@@ -255,11 +256,62 @@ def _row_sources(srcs, strides, row, cols, mask, sel, N_SRC: tl.constexpr,
 
 
 @triton.jit
+def _mix_norm_gram(vals, last, nq, w, sel, deltas, delta_strides, out_ptr, prefix_ptr, row, H,
+                   stride_or, stride_pr, cols, mask, eps, norm_eps, flag_ptr,
+                   N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
+                   USE_PDL: tl.constexpr, WAIT: tl.constexpr):
+    """The one-tile AttnRes step with the earlier sources (rows of ``vals``, loaded before
+    the wait) mixed before it: their logits, weights ``e_i = exp(logit_i - top)`` against
+    the largest, ``u = sum_i e_i v_i`` and ``|u|^2``. After the wait the last source ``L``
+    (plus the deltas) adds three dot products, ``<u, L>``, ``<L, L>`` and ``<q n, L>``, in
+    one reduction; then, with ``a = exp(top - top')`` and ``e_L`` against the new top
+    ``top'``, the mix is ``m = (a u + e_L L) / Z``, ``Z = a sum(e) + e_L``, and its mean
+    square ``(a^2 |u|^2 + 2 a e_L <u, L> + e_L^2 |L|^2) / Z^2 / H`` needs no reduction of
+    its own (recomputed from ``m`` where those terms cancel to under 1e-3 of their size).
+    The output is ``m`` rounded to its dtype, times ``rsqrt(mean square + eps)`` and the
+    norm weight: the mean square is of the unrounded mix (the two-reduction form squares
+    the rounded one)."""
+    early = tl.arange(0, S_PAD) < N_SRC - 1
+    dots = tl.sum(vals * nq, 1)
+    squares = tl.sum(vals * vals, 1)
+    logits = tl.where(early, dots * tl.rsqrt(squares / H + eps), float("-inf"))
+    top = tl.max(logits, 0)
+    e = tl.where(early, tl.exp(logits - top), 0.0)
+    e_sum = tl.sum(e, 0)
+    u = tl.sum(vals * e[:, None], 0)[None, :]
+    uu = tl.sum(u * u, 1)[:, None]
+    if WAIT:
+        await_signal(flag_ptr, tl.num_programs(0))
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    last = _add_deltas(last, deltas, delta_strides, prefix_ptr, row, stride_pr, cols, mask,
+                       N_DELTA)
+    ul, ll, ql = sums3(u * last, last * last, nq * last, 1)
+    ul, ll, ql = ul[:, None], ll[:, None], ql[:, None]
+    l_logit = ql * tl.rsqrt(ll / H + eps)
+    new_top = tl.maximum(top, l_logit)
+    a = tl.exp(top - new_top)
+    e_l = tl.exp(l_logit - new_top)
+    inv = 1.0 / (a * e_sum + e_l)
+    mixed = (a * u + e_l * last) * inv
+    parts = a * a * uu + e_l * e_l * ll
+    square_sum = (parts + 2.0 * a * e_l * ul) * inv * inv
+    if tl.sum(tl.sum(tl.where(square_sum * 1000.0 < parts * inv * inv, 1, 0), 1), 0) > 0:
+        square_sum = tl.sum(mixed * mixed, 1)[:, None]
+    mixed = mixed.to(out_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.rsqrt(square_sum / H + norm_eps)
+    tl.store(out_ptr + row * stride_or + cols,
+             (mixed * scale * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_ptr, out_ptr,
                          prefix_ptr, H, stride_or, stride_pr, eps, norm_eps, flag_ptr,
                          N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-                         PRE_SOURCES: tl.constexpr, WAIT: tl.constexpr):
+                         PRE_SOURCES: tl.constexpr, WAIT: tl.constexpr,
+                         GRAM: tl.constexpr = False):
     """One row of the fused AttnRes step held whole in registers (an [S_PAD, BLOCK] tile of
     the sources): each source read once, the prefix and the normed mix written once, no
     sweep rereads the row. The same roundings as :func:`_mix_norm_kernel` (the prefix and the
@@ -270,7 +322,9 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     pass's ``pre_wait_inputs``), so they load before the PDL wait; only the deltas after.
     ``WAIT``: a side-stream branch's output among the deltas is signalled at ``flag_ptr``
     (:func:`~stepgraph.runtime.kernels.sync.await_signal`, before the PDL wait and before
-    the dependents may launch)."""
+    the dependents may launch). ``GRAM`` (with ``PRE_SOURCES``, two sources or more): the
+    earlier sources' part of the mix is formed before the wait (:func:`_mix_norm_gram`), so
+    after it one reduction remains instead of three."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)[None, :]
     mask = cols < H
@@ -280,6 +334,11 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if PRE_SOURCES:
         vals, last = _row_sources(srcs, strides, row, cols, mask, sel, N_SRC, S_PAD, BLOCK)
+    if GRAM:
+        _mix_norm_gram(vals, last, nq, w, sel, deltas, delta_strides, out_ptr, prefix_ptr,
+                       row, H, stride_or, stride_pr, cols, mask, eps, norm_eps, flag_ptr,
+                       N_SRC, N_DELTA, S_PAD, USE_PDL, WAIT)
+        return
     if WAIT:
         await_signal(flag_ptr, tl.num_programs(0))
     if USE_PDL:
@@ -435,13 +494,17 @@ class AttnResNorm:
     before the PDL wait (the one-tile form loads them there). ``wait``: an int32 [2] flag
     (and arrival counter) that a side-stream branch writing one of the deltas sets when it
     is done (:func:`~stepgraph.runtime.kernels.sync.signal_kernel`): the launch waits on it
-    instead of a graph edge (:attr:`awaits` is that flag)."""
+    instead of a graph edge (:attr:`awaits` is that flag). ``gram``: with the sources
+    read before the wait, two or more of them and the one-tile form, the earlier sources'
+    part of the mix is formed before the wait and one reduction follows it instead of three
+    (:func:`_mix_norm_gram`; k3-rank-tp8 B=1 -7 to -9 us a step on the H200, docs/perf.md,
+    nineteenth session)."""
 
     def __init__(self, sources: Sequence[torch.Tensor], deltas: Sequence[torch.Tensor],
                  query: torch.Tensor, mix_norm: torch.Tensor, weight: torch.Tensor,
                  out: torch.Tensor, prefix: torch.Tensor | None, eps: float, norm_eps: float,
                  pdl: bool = False, one_tile: bool = True, pre_sources: bool = False,
-                 wait: torch.Tensor | None = None) -> None:
+                 wait: torch.Tensor | None = None, gram: bool = True) -> None:
         if not 1 <= len(sources) <= MAX_SOURCES or len(deltas) > MAX_SOURCES:
             raise NotImplementedError(f"attn_res_norm: {len(sources)} sources, {len(deltas)} "
                                       f"deltas (1..{MAX_SOURCES} each)")
@@ -469,6 +532,7 @@ class AttnResNorm:
                              torch.float32)
         self.pdl = pdl_allowed(pdl, out.device)
         self.pre_sources = pre_sources and self.pdl
+        self.gram = (gram and self.pre_sources and self.one_tile and len(sources) >= 2)
         if wait is not None and (wait.dtype != torch.int32 or wait.numel() < 2):
             raise UserError(f"attn_res_norm: the wait flag must be int32 [2], got "
                             f"{wait.dtype} [{wait.numel()}]")
@@ -488,7 +552,8 @@ class AttnResNorm:
                      USE_PDL=self.pdl, WAIT=self.awaits is not None, launch_pdl=self.pdl)
         if self.one_tile:
             _mix_norm_row_kernel[(rows,)](*rows_in, *sizes, BLOCK=self.block,
-                                          PRE_SOURCES=self.pre_sources, num_warps=ROW_WARPS,
+                                          PRE_SOURCES=self.pre_sources, GRAM=self.gram,
+                                          num_warps=ROW_WARPS,
                                           maxnreg=ROW_REGS, **shape)
         else:
             _mix_norm_kernel[(rows,)](*rows_in, self.probs, *sizes, CHUNK=self.chunk,

@@ -223,6 +223,25 @@ def interpreter_experts() -> None:
         print(f"router -> experts chain rows={rows} pre={pre} gemv={gemv}: ok")
 
 
+def check_router_ties(device: str, pdl: bool = False) -> None:
+    """The router's pick on tied logits: a tie inside the top-k takes every tied expert once
+    (each with its own score), a tie across the k-th place takes the lowest ids (the rule
+    the kernel documents; the reference's torch.topk leaves that order free)."""
+    from stepgraph.runtime.providers.triton_dense import router
+
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 0.5, -2.0],
+                           [-1.0, 2.0, -1.0, 2.0, 2.0, -3.0, 2.0, -1.0]]).to(device)
+    attrs = {"experts": 8, "top_k": 3, "score": "sigmoid", "correction_bias": False,
+             "renormalize": False, "scaling_factor": 1.0}
+    ids = torch.full((2, 3), -1, dtype=torch.int32, device=device)
+    wts = torch.full((2, 3), float("nan"), device=device)
+    router(context(node_of("router", 1, 2, **attrs), [logits, ids, wts], pdl=pdl))()
+    assert sorted(ids[0].tolist()) == [1, 2, 4], f"a tie inside the top-3: {ids[0].tolist()}"
+    assert sorted(ids[1].tolist()) == [1, 3, 4], f"a tie across the 3rd place: {ids[1].tolist()}"
+    want = torch.sigmoid(logits.gather(1, ids.long()))
+    assert torch.allclose(wts, want), f"tied picks' weights {wts.tolist()} != {want.tolist()}"
+
+
 def interpreter_router() -> None:
     """The router in the interpreter."""
     for seed, (rows, e, k, score, bias, renorm) in enumerate([
@@ -230,6 +249,8 @@ def interpreter_router() -> None:
             (2, 64, 16, "sigmoid", False, True), (2, 896, 16, "sigmoid", True, True)]):
         err = check_router(rows, e, k, score, bias, renorm, "cpu", seed=seed)
         print(f"router rows={rows} E={e} k={k} {score} bias={bias}: {err:.1e}")
+    check_router_ties("cpu")
+    print("router ties: ok")
 
 
 # ----------------------------------------------------------------------------- sm_90 compiles
@@ -386,10 +407,12 @@ def test_combine_forms_gpu(experts: int, k3_experts: dict[int, tuple[Any, Any]])
 @CUDA
 @pytest.mark.parametrize("experts", (64, 112, 896))
 def test_router_gpu(experts: int) -> None:
-    """The router at K3 expert counts, rows 1..64, sigmoid + bias and softmax."""
+    """The router at K3 expert counts, rows 1..64, sigmoid + bias and softmax; tied
+    logits."""
     for rows in ROWS:
         check_router(rows, experts, 16, "sigmoid", True, True, "cuda", pdl=True, seed=rows)
         check_router(rows, experts, 16, "softmax", False, False, "cuda", pdl=True, seed=rows)
+    check_router_ties("cuda", pdl=True)
 
 
 def check_moe_chain(rows: int, device: str, gate_up: Any, down: Any, top_k: int = 16,

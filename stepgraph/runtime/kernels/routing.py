@@ -12,6 +12,14 @@ from stepgraph.runtime.kernels.launch_utils import next_pow2, pdl_allowed
 
 
 @triton.jit
+def _pick_best(v0, i0, s0, v1, i1, s1):
+    """The combine of the top-k's pick: the larger ``choice`` (the lower id among ties),
+    carrying its id and unbiased score."""
+    take = (v1 > v0) | ((v1 == v0) & (i1 < i0))
+    return tl.where(take, v1, v0), tl.where(take, i1, i0), tl.where(take, s1, s0)
+
+
+@triton.jit
 def _router_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, E, TOPK,
                    stride_lr, stride_le, stride_ir, stride_ij, stride_wr, stride_wj,
                    scaling,
@@ -44,11 +52,12 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, wts_ptr, E, TOPK,
     chosen = tl.zeros([K_PAD], dtype=tl.int32)
     weights = tl.zeros([K_PAD], dtype=tl.float32)
     for i in range(0, TOPK):
-        best = tl.max(choice, 0)
-        index = tl.min(tl.where(choice == best, offs, E_PAD), 0)
+        # one reduction a pick (not a max, the lowest id at it and its score: three; -1.7
+        # us a k3-rank-tp8 B=1 step on the H200, docs/perf.md, nineteenth session)
+        _, index, score = tl.reduce((choice, offs, scores), 0, _pick_best)
         hit = offs == index
         chosen = tl.where(ks == i, index, chosen)
-        weights = tl.where(ks == i, tl.sum(tl.where(hit, scores, 0.0), 0), weights)
+        weights = tl.where(ks == i, score, weights)
         choice = tl.where(hit, float("-inf"), choice)
     if RENORM:
         weights = weights / (tl.sum(weights, 0) + 1e-20)

@@ -9,27 +9,20 @@ Usage (GPU machine): python3 scripts/probe_step_overhead.py ARTIFACT [--rows 1] 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 
 import torch
 
 from stepgraph.artifact import load_artifact
-from stepgraph.bench.ab import INPUT_SETS, shared_weights
+from stepgraph.bench.ab import INPUT_SETS, probe_arguments, shared_weights
 from stepgraph.bench.protocol import build_feeds, fill_caches, serving_call, time_calls
 from stepgraph.runtime import StepInputs, load
 
 
 def main() -> int:
     """Load the step once; time each form of the call in interleaved rounds."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact")
-    parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--replays", type=int, default=60)
-    parser.add_argument("--context", type=int, default=4096)
-    args = parser.parse_args()
+    args = probe_arguments(__doc__.splitlines()[0]).parse_args()
     artifact = load_artifact(args.artifact)
     weights = shared_weights(artifact)
     steps = {blocks: load(artifact, weights=weights, device="cuda", max_requests=64,

@@ -12,7 +12,6 @@ Usage (GPU machine): python3 scripts/probe_tail_launch.py ARTIFACT [--rows 1] [-
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import statistics
 import subprocess
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from stepgraph.artifact import load_artifact
-from stepgraph.bench.ab import INPUT_SETS, shared_weights
+from stepgraph.bench.ab import INPUT_SETS, probe_arguments, shared_weights
 from stepgraph.bench.protocol import build_feeds, fill_caches
 from stepgraph.runtime import StepInputs, load
 
@@ -91,13 +90,7 @@ def idle_us(launch: Callable[[], None], rounds: int = 5) -> tuple[float, float, 
 
 def main() -> int:
     """Load, re-capture, instantiate every form, check logits, time interleaved rounds."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact")
-    parser.add_argument("--rows", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--replays", type=int, default=60)
-    parser.add_argument("--context", type=int, default=4096)
-    args = parser.parse_args()
+    args = probe_arguments(__doc__.splitlines()[0]).parse_args()
     lib = build_library()
     artifact = load_artifact(args.artifact)
     weights = shared_weights(artifact)

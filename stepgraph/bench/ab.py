@@ -5,6 +5,7 @@ instead of as a difference. Used by ``stepgraph tune --step`` and ``scripts/ab_r
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,18 @@ class Compared:
     def us(self) -> float:
         """The median of the rounds' medians."""
         return statistics.median(self.rounds)
+
+
+def probe_arguments(description: str) -> argparse.ArgumentParser:
+    """The command line the step probes share (``scripts/probe_*.py``): an artifact, the row
+    count, the rounds, timed replays a round and the context."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("artifact")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--replays", type=int, default=60)
+    parser.add_argument("--context", type=int, default=4096)
+    return parser
 
 
 def shared_weights(artifact: Artifact, seed: int = 0, device: str = "cuda"

@@ -256,7 +256,7 @@ def _row_sources(srcs, strides, row, cols, mask, sel, N_SRC: tl.constexpr,
 
 
 @triton.jit
-def _mix_norm_gram(vals, last, nq, w, sel, deltas, delta_strides, out_ptr, prefix_ptr, row, H,
+def _mix_norm_gram(vals, last, nq, w, deltas, delta_strides, out_ptr, prefix_ptr, row, H,
                    stride_or, stride_pr, cols, mask, eps, norm_eps, flag_ptr,
                    N_SRC: tl.constexpr, N_DELTA: tl.constexpr, S_PAD: tl.constexpr,
                    USE_PDL: tl.constexpr, WAIT: tl.constexpr):
@@ -269,7 +269,7 @@ def _mix_norm_gram(vals, last, nq, w, sel, deltas, delta_strides, out_ptr, prefi
     square ``(a^2 |u|^2 + 2 a e_L <u, L> + e_L^2 |L|^2) / Z^2 / H`` needs no reduction of
     its own (recomputed from ``m`` where those terms cancel to under 1e-3 of their size).
     The output is ``m`` rounded to its dtype, times ``rsqrt(mean square + eps)`` and the
-    norm weight: the mean square is of the unrounded mix (the two-reduction form squares
+    norm weight: the mean square is of the unrounded mix (the three-reduction form squares
     the rounded one)."""
     early = tl.arange(0, S_PAD) < N_SRC - 1
     dots = tl.sum(vals * nq, 1)
@@ -335,8 +335,8 @@ def _mix_norm_row_kernel(srcs, strides, deltas, delta_strides, q_ptr, n_ptr, w_p
     if PRE_SOURCES:
         vals, last = _row_sources(srcs, strides, row, cols, mask, sel, N_SRC, S_PAD, BLOCK)
     if GRAM:
-        _mix_norm_gram(vals, last, nq, w, sel, deltas, delta_strides, out_ptr, prefix_ptr,
-                       row, H, stride_or, stride_pr, cols, mask, eps, norm_eps, flag_ptr,
+        _mix_norm_gram(vals, last, nq, w, deltas, delta_strides, out_ptr, prefix_ptr, row,
+                       H, stride_or, stride_pr, cols, mask, eps, norm_eps, flag_ptr,
                        N_SRC, N_DELTA, S_PAD, USE_PDL, WAIT)
         return
     if WAIT:
@@ -532,7 +532,7 @@ class AttnResNorm:
                              torch.float32)
         self.pdl = pdl_allowed(pdl, out.device)
         self.pre_sources = pre_sources and self.pdl
-        self.gram = (gram and self.pre_sources and self.one_tile and len(sources) >= 2)
+        self.gram = gram and self.pre_sources and self.one_tile and len(sources) >= 2
         if wait is not None and (wait.dtype != torch.int32 or wait.numel() < 2):
             raise UserError(f"attn_res_norm: the wait flag must be int32 [2], got "
                             f"{wait.dtype} [{wait.numel()}]")

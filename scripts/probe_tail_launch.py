@@ -24,7 +24,7 @@ import torch
 
 from stepgraph.artifact import load_artifact
 from stepgraph.bench.ab import INPUT_SETS, probe_arguments, shared_weights
-from stepgraph.bench.protocol import build_feeds, fill_caches
+from stepgraph.bench.protocol import build_feeds, fill_caches, time_calls
 from stepgraph.runtime import StepInputs, load
 
 DEVICE_LAUNCH = 4  # cudaGraphInstantiateFlagDeviceLaunch
@@ -50,19 +50,10 @@ def checked(lib: ctypes.CDLL, rc: int, what: str) -> None:
 
 
 def time_form(launch: Callable[[], None], replays: int) -> float:
-    """Median us of ``replays`` back-to-back launches (host running ahead), CUDA events."""
-    for _ in range(10):
-        launch()
-    torch.cuda.synchronize()
-    pairs = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        pairs.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+    """Median us of ``replays`` back-to-back launches (host running ahead, CUDA events: the
+    bench's :func:`~stepgraph.bench.protocol.time_calls`)."""
+    return statistics.median(time_calls(lambda _: launch(), [None], replays, 10,
+                                        torch.device("cuda")))
 
 
 def idle_us(launch: Callable[[], None], rounds: int = 5) -> tuple[float, float, int]:

@@ -274,7 +274,7 @@ def load(
                     capture_bin(plan, pool, thread_local=comm is not None)
                 plans[size] = plan
     return CompiledStep(graph=graph, device=device, dtype=compute, bins=bins, q=q,
-                        plans=plan_sets[0], plan_sets=plan_sets,
+                        plan_sets=plan_sets,
                         bindings=bindings, arena=arena, filler=filler, caches=caches,
                         target=target, notes=notes, document=document, pool=pool, comm=comm,
                         kept=kept)

@@ -25,9 +25,9 @@ class CompiledStep:
     of the real rows.
 
     ``caches`` are the step's state tensors (one extra scratch slot and block each, see
-    :mod:`stepgraph.runtime.inputs`); ``plans`` hold each bin's launches and provider
-    choices (bound to the first device block of input buffers; ``plan_sets`` holds the
-    bins' plans for every block, see :class:`~stepgraph.runtime.inputs.InputFiller`);
+    :mod:`stepgraph.runtime.inputs`); ``plan_sets`` hold each bin's launches and provider
+    choices once per device block of input buffers (see
+    :class:`~stepgraph.runtime.inputs.InputFiller`; :attr:`plans` is the first block's);
     ``report()`` says what runs where and why.
     """
 
@@ -36,13 +36,12 @@ class CompiledStep:
     dtype: torch.dtype
     bins: list[int]
     q: int
-    plans: dict[int, BinPlan]
+    plan_sets: list[dict[int, BinPlan]]
     bindings: Bindings
     arena: Arena
     filler: InputFiller
     caches: dict[str, torch.Tensor]
     target: str
-    plan_sets: list[dict[int, BinPlan]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     document: dict[str, Any] | None = None
     pool: Any = None
@@ -72,9 +71,16 @@ class CompiledStep:
         return self.limits.block_size
 
     @property
+    def plans(self) -> dict[int, BinPlan]:
+        """Each bin's plan bound to the first device block of input buffers (the choices
+        are the same for every block)."""
+        return self.plan_sets[0]
+
+    @property
     def captured(self) -> bool:
-        """Whether every bin replays a CUDA graph."""
-        return all(plan.graph is not None for plan in self.plans.values())
+        """Whether every bin replays a CUDA graph (in every block's plans)."""
+        return all(plan.graph is not None for plans in self.plan_sets
+                   for plan in plans.values())
 
     @property
     def output_name(self) -> str:
@@ -125,8 +131,7 @@ class CompiledStep:
 
     def plan(self, size: int) -> BinPlan:
         """Bin ``size``'s plan bound to the input buffers the last fill wrote."""
-        sets = self.plan_sets or [self.plans]
-        return sets[self.filler.current][size]
+        return self.plan_sets[self.filler.current][size]
 
     def replay(self, size: int) -> None:
         """Run bin ``size`` on whatever the last fill wrote into the input buffers (a

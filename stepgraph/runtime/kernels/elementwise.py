@@ -532,11 +532,17 @@ class AttnResNorm:
                              torch.float32)
         self.pdl = pdl_allowed(pdl, out.device)
         self.pre_sources = pre_sources and self.pdl
-        self.gram = gram and self.pre_sources and self.one_tile and len(sources) >= 2
+        self.gram = gram  # wanted; used where :attr:`uses_gram`
         if wait is not None and (wait.dtype != torch.int32 or wait.numel() < 2):
             raise UserError(f"attn_res_norm: the wait flag must be int32 [2], got "
                             f"{wait.dtype} [{wait.numel()}]")
         self.awaits = wait
+
+    @property
+    def uses_gram(self) -> bool:
+        """Whether the launch runs the Gram form: wanted, the sources read before the wait,
+        two or more of them, the one-tile kernel."""
+        return self.gram and self.pre_sources and self.one_tile and len(self.sources) >= 2
 
     def __call__(self) -> None:
         """Enqueue the launch."""
@@ -552,7 +558,7 @@ class AttnResNorm:
                      USE_PDL=self.pdl, WAIT=self.awaits is not None, launch_pdl=self.pdl)
         if self.one_tile:
             _mix_norm_row_kernel[(rows,)](*rows_in, *sizes, BLOCK=self.block,
-                                          PRE_SOURCES=self.pre_sources, GRAM=self.gram,
+                                          PRE_SOURCES=self.pre_sources, GRAM=self.uses_gram,
                                           num_warps=ROW_WARPS,
                                           maxnreg=ROW_REGS, **shape)
         else:

@@ -96,9 +96,11 @@ def _check_report(stdout: str, data: dict, modes: tuple[str, ...], bins: list[in
 
 @pytest.mark.slow
 def test_cpu_dry_run_of_the_whole_protocol(tiny: Path, tmp_path: Path) -> None:
-    stdout, data = _run_bench(tiny, tmp_path, "cpu", "eager,stepgraph,nopdl", "1,4")
+    stdout, data = _run_bench(tiny, tmp_path, "cpu", "eager,stepgraph,loop,nopdl", "1,4")
     assert "CPU (dry run" in stdout
-    _check_report(stdout, data, ("eager", "stepgraph", "stepgraph_nopdl"), [1, 4])
+    _check_report(stdout, data, ("eager", "stepgraph", "stepgraph_loop", "stepgraph_nopdl"),
+                  [1, 4])
+    assert stdout.count("| stepgraph, decode loop (tokens from the last logits) |") == 2
 
 
 def test_a_spent_budget_skips_every_measurement(tiny: Path, tmp_path: Path) -> None:
@@ -109,7 +111,8 @@ def test_a_spent_budget_skips_every_measurement(tiny: Path, tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     data = json.loads(out.read_text())
     (only,) = data["bins"]
-    assert set(only["timings"]) == {"eager", "torch_compile", "stepgraph", "stepgraph_nopdl"}
+    assert set(only["timings"]) == {"eager", "torch_compile", "stepgraph", "stepgraph_loop",
+                                    "stepgraph_nopdl"}
     assert all(t["error"].startswith("skipped: the --budget-s 0 s was spent")
                for t in only["timings"].values())
     assert only["checks"] == {}
@@ -121,8 +124,9 @@ def test_a_spent_budget_skips_every_measurement(tiny: Path, tmp_path: Path) -> N
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bench_of_tiny(tiny: Path, tmp_path: Path) -> None:
     """Every mode of the protocol on the GPU (torch.compile included), tiny_k3, one bin."""
-    stdout, data = _run_bench(tiny, tmp_path, "cuda", "eager,compile,stepgraph,nopdl", "4")
-    _check_report(stdout, data, ("eager", "torch_compile", "stepgraph", "stepgraph_nopdl"), [4])
+    stdout, data = _run_bench(tiny, tmp_path, "cuda", "eager,compile,stepgraph,loop,nopdl", "4")
+    _check_report(stdout, data, ("eager", "torch_compile", "stepgraph", "stepgraph_loop",
+                                 "stepgraph_nopdl"), [4])
     assert data["bandwidth"] > 1e12, "a device-to-device copy below 1 TB/s"
 
 

@@ -202,3 +202,34 @@ def test_time_calls_on_the_cpu() -> None:
     times = time_calls(calls.append, ["a", "b"], replays=5, warmup=2, device=CPU)
     assert len(times) == 5 and all(t >= 0 for t in times)
     assert calls == ["a", "b", "a", "b", "a", "b", "a"]
+
+
+def test_decode_loop_feeds_each_step_the_last_steps_argmax(tiny: Graph) -> None:
+    """The bench's decode-loop call: a step's tokens are the argmax of the logits of the
+    step before (the second call's logits are those of a step on those tokens, from the
+    same caches), not the tokens the one fill wrote."""
+    from stepgraph.bench.protocol import decode_loop_call
+    from stepgraph.runtime import StepInputs, load
+
+    step = load(tiny, weights="random", device="cpu", dtype="float32", block_size=16,
+                max_context=64, progress=False, allow_target_mismatch=True)
+    fill_caches(step.caches, seed=1)
+    (feed,) = build_feeds(3, 1, 1, context=20, block_size=16, width=2, vocab=256, seed=2)
+    inputs = StepInputs.from_feed(feed)
+    call = decode_loop_call(step, inputs)
+    logits = step.bindings.outputs["logits"][:3]
+    call(None)
+    first = logits.clone()
+    tokens = first.argmax(-1)
+    assert not torch.equal(tokens.int(), torch.as_tensor(inputs.tokens).int())
+    before = {name: cache.clone() for name, cache in step.caches.items()}
+    call(None)
+    looped = logits.clone()
+    results = {}
+    for name, given in (("argmax", tokens.tolist()), ("filled", list(inputs.tokens))):
+        for cache_name, cache in step.caches.items():
+            cache.copy_(before[cache_name])
+        results[name] = step.step(StepInputs.from_feed({**feed, "tokens": np.array(
+            given, np.int32)})).clone()
+    assert torch.equal(looped, results["argmax"])
+    assert not torch.equal(looped, results["filled"])

@@ -9,7 +9,9 @@
    experts each input set touches (the bf16 reference's routing of the same inputs) and the
    floor; eager (the reference executor on the GPU in bf16); ``torch.compile(mode=
    "reduce-overhead")`` of the same eager step; the compiled step's replays; a second check
-   after those replays;
+   after those replays; the decode loop (the compiled step's replays, each one's tokens the
+   argmax of the last one's logits, so that no step starts before the one before ends, as
+   in a serving loop with its sampler on the GPU);
 4. the artifact's spec and deployment recompiled with the PDL/prefetch pass off, loaded on
    the same weights, checked and timed per bin.
 
@@ -47,6 +49,7 @@ from stepgraph.bench.protocol import (
     compile_stats,
     compiled_step,
     copy_bandwidth,
+    decode_loop_call,
     device_feed,
     fill_caches,
     fp32_reference,
@@ -68,6 +71,8 @@ from stepgraph.lower.reference import ReferenceExecutor
 from stepgraph.memory.arena import bin_rows
 
 CHECK_HEADROOM = 64  # tokens of cache beyond the context, for the check's later steps
+
+COMPILED_STEP_MODES = {"stepgraph", "stepgraph_loop"}  # the modes of the artifact's own step
 
 
 @dataclass
@@ -167,7 +172,7 @@ class Session:
                                                  self.device)
             self.note(f"random weights: {weight_bytes(self.weights) / 1e9:.2f} GB drawn on the "
                       f"GPU in {time.perf_counter() - started:.1f} s (seed {opts.seed})")
-            wanted = {"eager", "torch_compile", "stepgraph"} & set(opts.modes)
+            wanted = {"eager", "torch_compile", *COMPILED_STEP_MODES} & set(opts.modes)
             if wanted:
                 self.phase_main()
             if "stepgraph_nopdl" in opts.modes:
@@ -250,7 +255,8 @@ class Session:
     def phase_main(self) -> None:
         """The artifact as compiled: checks, floor, eager, torch.compile, replays."""
         opts = self.options
-        compiled = self.load(self.artifact) if "stepgraph" in opts.modes else None
+        steps = COMPILED_STEP_MODES & set(opts.modes)
+        compiled = self.load(self.artifact) if steps else None
         failed = Timing(error="the compiled step did not load (see the notes)")
         layout = self.layout(compiled)
         eager = ReferenceExecutor(self.graph, self.weights, layout.caches, self.device,
@@ -284,13 +290,15 @@ class Session:
                     self.note(f"B={rows}: torch.compile's {opts.warmup} warm-up calls (its "
                               f"compilation) took {warm.warmup_s:.1f} s; so far "
                               f"{compile_stats()}")
-                if "stepgraph" in opts.modes:
+                for mode in sorted(steps):  # stepgraph, then stepgraph_loop
                     if compiled is None:
-                        result.timings["stepgraph"] = failed
+                        result.timings[mode] = failed
                     elif self.out_of_time():
-                        result.timings["stepgraph"] = self.skipped()
+                        result.timings[mode] = self.skipped()
+                    elif mode == "stepgraph":
+                        self.time_compiled(compiled, result, mode, feeds)
                     else:
-                        self.time_compiled(compiled, result, "stepgraph", feeds)
+                        result.timings[mode] = self.time_decode_loop(compiled, feeds[0])
                 advance(1, f"B={rows}: done")
                 self.update()
         calls.clear()
@@ -366,6 +374,17 @@ class Session:
             result.checks.setdefault(mode, []).append(
                 self.check(compiled, compiled.graph, feeds[0], 1,
                            f"after {self.options.replays + self.options.warmup} replays"))
+
+    def time_decode_loop(self, compiled: Any, feed: Feed) -> Timing:
+        """Replays of the compiled step as a decode loop with its sampler on the GPU runs
+        them (:func:`~stepgraph.bench.protocol.decode_loop_call`)."""
+        from stepgraph.runtime import StepInputs
+
+        try:
+            call = decode_loop_call(compiled, StepInputs.from_feed(feed))
+        except Exception as error:
+            return Timing(error=_error_text(error))
+        return self.time(call, [None])
 
     def floor(self, result: BinResult, eager: ReferenceExecutor,
               dev_feeds: list[dict[str, torch.Tensor]], rows: int) -> None:

@@ -1,8 +1,9 @@
 """``stepgraph bench ARTIFACT --weights random [--batches 1,4,16,64] [--replays 50]
 [--context 4096] [--json FILE]``: the GPU benchmark protocol of shared/BENCHMARKS.md in one
 process (see :mod:`stepgraph.bench.session`): the numerical check first, then per bin the
-floor, eager, torch.compile(mode="reduce-overhead"), the compiled step's replays and the
-compiled step with the PDL/prefetch pass off; a Markdown table per bin printed last.
+floor, eager, torch.compile(mode="reduce-overhead"), the compiled step's replays, the same
+as a decode loop (each step's tokens the argmax of the last step's logits) and the compiled
+step with the PDL/prefetch pass off; a Markdown table per bin printed last.
 
 Exit status: 0 when every check passed, 1 when a check failed (its table says which), 2 on
 a user error (one line). Needs CUDA; torch is imported only when the command runs.
@@ -20,7 +21,7 @@ from stepgraph.commands.common import check_nproc, parse_int_list
 from stepgraph.errors import UserError
 
 MODE_FLAGS = {"eager": "eager", "compile": "torch_compile", "stepgraph": "stepgraph",
-              "nopdl": "stepgraph_nopdl"}
+              "loop": "stepgraph_loop", "nopdl": "stepgraph_nopdl"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

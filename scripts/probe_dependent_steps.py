@@ -15,7 +15,6 @@ Usage (GPU machine): python3 scripts/probe_dependent_steps.py ART [ART ...] [--r
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
@@ -25,6 +24,7 @@ from stepgraph.bench.ab import compare, load_step, probe_arguments, shared_weigh
 from stepgraph.bench.protocol import build_feeds, decode_loop_call, fill_caches
 from stepgraph.runtime import StepInputs
 from stepgraph.runtime.step import CompiledStep
+from stepgraph.runtime.tune import replay_median_us
 
 
 def _dependent_us(step: CompiledStep, inputs: StepInputs, replays: int) -> float:
@@ -40,21 +40,6 @@ def _dependent_us(step: CompiledStep, inputs: StepInputs, replays: int) -> float
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / replays
-
-
-def _waited_us(step: CompiledStep, rows: int, replays: int) -> float:
-    """Median microseconds of one replay launched on an idle GPU, the host waiting for it."""
-    size = step.bin_for(rows)
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays):
-        torch.cuda.synchronize()
-        start.record()
-        step.replay(size)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -82,7 +67,9 @@ def main() -> int:
         for _ in range(args.rounds):
             for path, step in zip(paths, steps, strict=True):
                 rounds[path]["dependent"].append(_dependent_us(step, inputs, args.replays))
-                rounds[path]["waited"].append(_waited_us(step, args.rows, args.replays // 2))
+                # one replay on an idle GPU at a time, the host waiting for each
+                rounds[path]["waited"].append(replay_median_us(
+                    step.plan(step.bin_for(args.rows)).graph, args.replays // 2))
     print(f"B={args.rows}, us a step per round")
     for path, result in zip(paths, independent, strict=True):
         print(f"{path:<28} logits vs the first {result.error:.1e}")

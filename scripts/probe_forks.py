@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 from stepgraph.runtime.kernels.elementwise import Add, RmsNorm
 from stepgraph.runtime.kernels.sync import await_signal, signal_kernel
 from stepgraph.runtime.side_stream import fork, join, side_stream
-from stepgraph.runtime.tune import captured_graph
+from stepgraph.runtime.tune import captured_graph, replay_median_us
 
 WIDTH = 7168
 
@@ -276,18 +276,21 @@ def _replay_sync(graph: torch.cuda.CUDAGraph | TwoGraphs) -> None:
         graph.finish()
 
 
+@dataclass
+class _Joined:
+    """A replay of ``graph`` that ends on the current stream (a second graph joined)."""
+
+    graph: torch.cuda.CUDAGraph | TwoGraphs
+
+    def replay(self) -> None:
+        _replay_sync(self.graph)
+
+
 def _measure(graph: torch.cuda.CUDAGraph | TwoGraphs, replays: int, after_fork: set[int],
              joins: set[int]) -> dict[str, float]:
     """Median replay us and the main chain's gaps a replay, by where they sit."""
+    replay = replay_median_us(_Joined(graph), replays)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        _replay_sync(graph)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    replay = statistics.median(times)
     start.record()
     for _ in range(replays):
         graph.replay()

@@ -61,7 +61,7 @@ from stepgraph.bench.protocol import (
     time_calls,
     touched_experts,
 )
-from stepgraph.bench.table import BenchReport, BinResult, Check, Timing
+from stepgraph.bench.table import ARTIFACT_MODES, BenchReport, BinResult, Check, Timing
 from stepgraph.bench.weights import device_random_weights, weight_bytes
 from stepgraph.bench.workloads import ROOT, title_of
 from stepgraph.errors import UserError
@@ -71,8 +71,6 @@ from stepgraph.lower.reference import ReferenceExecutor
 from stepgraph.memory.arena import bin_rows
 
 CHECK_HEADROOM = 64  # tokens of cache beyond the context, for the check's later steps
-
-COMPILED_STEP_MODES = {"stepgraph", "stepgraph_loop"}  # the modes of the artifact's own step
 
 
 @dataclass
@@ -172,7 +170,7 @@ class Session:
                                                  self.device)
             self.note(f"random weights: {weight_bytes(self.weights) / 1e9:.2f} GB drawn on the "
                       f"GPU in {time.perf_counter() - started:.1f} s (seed {opts.seed})")
-            wanted = {"eager", "torch_compile", *COMPILED_STEP_MODES} & set(opts.modes)
+            wanted = {"eager", "torch_compile", *ARTIFACT_MODES} & set(opts.modes)
             if wanted:
                 self.phase_main()
             if "stepgraph_nopdl" in opts.modes:
@@ -255,7 +253,7 @@ class Session:
     def phase_main(self) -> None:
         """The artifact as compiled: checks, floor, eager, torch.compile, replays."""
         opts = self.options
-        steps = COMPILED_STEP_MODES & set(opts.modes)
+        steps = [mode for mode in ARTIFACT_MODES if mode in opts.modes]
         compiled = self.load(self.artifact) if steps else None
         failed = Timing(error="the compiled step did not load (see the notes)")
         layout = self.layout(compiled)
@@ -290,7 +288,7 @@ class Session:
                     self.note(f"B={rows}: torch.compile's {opts.warmup} warm-up calls (its "
                               f"compilation) took {warm.warmup_s:.1f} s; so far "
                               f"{compile_stats()}")
-                for mode in sorted(steps):  # stepgraph, then stepgraph_loop
+                for mode in steps:
                     if compiled is None:
                         result.timings[mode] = failed
                     elif self.out_of_time():

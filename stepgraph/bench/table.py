@@ -23,6 +23,7 @@ MODE_LABELS = {
     "stepgraph_nopdl": "stepgraph, PDL/prefetch pass off",
 }
 COMPILED_MODES = ("stepgraph", "stepgraph_loop", "stepgraph_nopdl")
+ARTIFACT_MODES = ("stepgraph", "stepgraph_loop")  # the artifact's own step, as compiled
 CHECKED_AS = {"stepgraph_loop": "stepgraph"}  # a mode whose step another mode's check covers
 CHECK_LIMIT = 1e-2
 NOISE_FACTOR = 1.5

@@ -9,7 +9,7 @@ An op with a table gets FIELD in every bin of every row (appended when the table
 an optional field and a bin leaves it out); ``--bin`` and ``--shape`` narrow that to one bin
 and to the rows matching those weight shapes (e.g. another GEMV tile for two shapes at
 one row: ``projection.m_tile=16 --bin 1 --shape 7168x1536 --shape 7168x3584``). An op without
-one (kda_core) gets a table of its own: one row matching every shape, one bin
+one (mla_value, the router) gets a table of its own: one row matching every shape, one bin
 serving every row count, the op's first provider, a field for each of its settings. A
 section of the file instead of an op (``streams``, ``pdl``, ``prefetch``) gets its key set
 (0 / 1 for a yes-no key). Example

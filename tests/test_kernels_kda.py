@@ -181,6 +181,13 @@ INTERP_CASES = [
     dict(heads=2, dim=16, rows=4, padded=1, tactic={"out_norm": 1}),
     dict(heads=2, dim=16, rows=6, q_len=3, kernel=3, low_rank=True, tactic={"out_norm": 1}),
     dict(heads=3, dim=12, rows=6, q_len=2, padded=2, tactic={"out_norm": 1, "block_v": 4}),
+    # the prep inside the recurrence (one launch: each V block recomputes its head's prep)
+    # (decode steps; out_norm 1 gives way: the norm launch writes the conv states)
+    dict(heads=2, dim=16, rows=4, padded=1, tactic={"prep_inside": 1, "block_v": 8}),
+    dict(heads=3, dim=12, rows=4, rank=20, kernel=2, form="softplus",
+         tactic={"prep_inside": 1, "block_v": 4}),
+    dict(heads=2, dim=16, rows=3, kernel=3, low_rank=True, padded=1,
+         tactic={"prep_inside": 1, "out_norm": 1, "block_v": 8}),
 ]
 
 
@@ -310,11 +317,58 @@ def test_kda_kernels_compile_for_h200() -> None:
         assert ("griddepcontrol.wait" in out["ptx"]) == (q_len == 1)
         assert ("atom" in out["ptx"]) == out_norm, "the output norm's counter"
     norm = dict(o_ptr=f32, gate_ptr=bf16, gate_stride="i32", gb_ptr=bf16, onorm_ptr=bf16,
-                out_ptr=bf16, out_stride="i32", eps="fp32")
-    for low in (False, True):
+                out_ptr=bf16, out_stride="i32", eps="fp32", q_ptr=bf16, k_ptr=bf16,
+                v_ptr=bf16, q_stride="i32", k_stride="i32", v_stride="i32", qs_ptr=bf16,
+                ks_ptr=bf16, vs_ptr=bf16, conv_slot_stride="i32", slots_ptr=i32)
+    for low, conv in ((False, False), (True, False), (False, True)):
         compile_for_h200(kda._kda_out_norm_kernel, norm, dict(
             H=96, D=128, BD=128, GRANK=128 if low else 1, BR=32 if low else 1, LOW_RANK=low,
-            USE_PDL=True), num_warps=4)
+            CONV=conv, KS=4, KW=4, USE_PDL=True), num_warps=4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_triton(), reason="triton is not installed")
+def test_prep_inside_recurrence_compiles_for_h200() -> None:
+    """The one-launch prep + recurrence at k3-rank-tp8's shapes (12 heads x 128, f_b rank
+    128, one row) compiles for sm_90a without spills, at the tactics' 4 and 8 warps, and
+    issues its loads (state, conv states, f_b slab) before the PDL wait."""
+    from triton_check import sm90_compiles
+
+    from stepgraph.runtime.kernels import kda
+
+    heads, dim, rank, width = 12, 128, 128, 12 * 128
+    bf16, f32 = torch.bfloat16, torch.float32
+    packed = torch.zeros(1, 3 * width + rank + heads, dtype=bf16)
+    q, k, v = (packed[:, i * width:(i + 1) * width] for i in range(3))
+    f_a = packed[:, 3 * width:3 * width + rank]
+    b = packed[:, 3 * width + rank:]
+    conv_w = tuple(torch.zeros(width, 4, dtype=bf16) for _ in range(3))
+    conv_s = tuple(torch.zeros(3, width, 3, dtype=bf16) for _ in range(3))
+    state = torch.zeros(3, heads, dim, dim, dtype=f32)
+    slots = torch.zeros(1, dtype=torch.int32)
+    o = torch.zeros(1, heads, dim, dtype=f32)
+    for warps in (4, 8):
+        (c,) = sm90_compiles(lambda w=warps: kda.launch_prep_recurrent(
+            q, k, v, f_a, b, conv_w, conv_s, torch.zeros(width, rank, dtype=bf16),
+            torch.zeros(width, dtype=f32), torch.zeros(heads, dtype=f32), state, slots, o,
+            heads=heads, head_dim=dim, gate_form="lower_bound", lower_bound=-5.0,
+            block_v=32, num_warps=w, pdl=True))
+        print(c.name, warps, "warps:", c.regs, "registers,", c.spills, "spill bytes")
+        assert c.name == "_kda_prep_recurrent_kernel"
+        assert c.spills == 0, f"{c.spills} bytes of spills at {warps} warps"
+        assert "griddepcontrol.wait" in c.ptx
+        assert c.loads_before_wait(), "the state / conv / f_b loads belong before the wait"
+        # the f_b slab in 32-wide chunks keeps the state's V block unreplicated (one
+        # [128, 128] slab tile put it in a layout four times its width: 255 registers)
+        assert c.regs <= (168 if warps == 4 else 128), c.regs
+    out = torch.zeros(1, width, dtype=bf16)
+    (c,) = sm90_compiles(lambda: kda.launch_out_norm(
+        o, packed[:, :width], None, torch.zeros(dim, dtype=bf16), out, heads=heads,
+        head_dim=dim, eps=1e-5, conv=kda.ConvUpdate((q, k, v), conv_s, slots), pdl=True))
+    assert c.spills == 0 and "griddepcontrol.wait" in c.ptx
+    head, tail = c.ptx.split("griddepcontrol.wait", 1)
+    assert "st.global" not in head, "the conv states are written only after the wait"
+    assert tail.count("st.global") >= 4, "the output and the three conv states"
 
 
 def test_fake_values_differ() -> None:
@@ -338,6 +392,11 @@ GPU_CASES = [
     dict(heads=12, dim=128, rows=8, rank=128, tactic={"out_norm": 1, "block_v": 16}),
     dict(heads=96, dim=128, rows=64, rank=128, q_len=2, low_rank=True, grank=128,
          tactic={"out_norm": 1}),
+    dict(heads=12, dim=128, rows=1, rank=128, tactic={"prep_inside": 1}),
+    dict(heads=12, dim=128, rows=8, rank=128, padded=2, tactic={"prep_inside": 1,
+                                                                "num_warps": 8}),
+    dict(heads=96, dim=128, rows=4, rank=128, q_len=2, form="softplus",
+         tactic={"prep_inside": 1, "out_norm": 1}),
 ]
 
 

@@ -103,11 +103,11 @@ def test_runtime_preferences_and_bench_recompile_use_the_recorded_table(tmp_path
 
 
 def test_a_variant_table_sets_a_field_in_every_decision(tmp_path: Path) -> None:
-    """scripts/tactics_variant.py: a field of a tabled op (routed_experts' optional combine)
-    and two tactics of an op without a table (kda_core's out_norm and block_v, one table
-    made for both) reach every bin's decision of the compiled K3 rank; the packaged table's
-    own decisions lack them (or spell out the provider's default: combine 0 stands before
-    the one-row GEMV fields of routed_experts' bin 1)."""
+    """scripts/tactics_variant.py: optional fields of tabled ops (routed_experts' combine,
+    kda_core's out_norm) and a required one (kda_core's block_v) reach every bin's decision
+    of the compiled K3 rank; the packaged table's own decisions lack the optional ones (or
+    spell out the provider's default: combine 0 stands before the one-row GEMV fields of
+    routed_experts' bin 1) and give block_v its default 32."""
     variant = tmp_path / "variant.yaml"
     script = Path(__file__).resolve().parents[1] / "scripts" / "tactics_variant.py"
     done = subprocess.run([sys.executable, str(script), "routed_experts.combine=1",
@@ -128,6 +128,8 @@ def test_a_variant_table_sets_a_field_in_every_decision(tmp_path: Path) -> None:
                 got = decision["tactic"].get(field)
                 if variant_on:
                     assert got == value, (name, node, rows, decision)
+                elif field == "block_v":  # the packaged kda_core row spells it out
+                    assert got == 32, (name, node, rows, decision)
                 else:  # absent, or routed_experts' combine 0 ahead of bin 1's gemv fields
                     assert got is None or (field == "combine" and got == 0), (name, node, rows)
 

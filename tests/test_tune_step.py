@@ -82,7 +82,7 @@ def test_malformed_settings_are_refused_with_the_form_to_use(text: str) -> None:
 
 
 @pytest.mark.parametrize("text,rows,why", [
-    ("kda_core.block_v=16", 1, "has no tactic table"),
+    ("mla_value.block_v=16", 1, "has no tactic table"),
     ("mla_core.warps=4", 1, "no field 'warps'"),
     ("mla_core.split=64", 8, r"tabulates bin 8 \(its bins: \[1, 64\]\)"),
     ("nothing.split=1", 1, "no op 'nothing'"),

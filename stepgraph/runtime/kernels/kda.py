@@ -20,6 +20,12 @@
 3. :func:`_kda_out_norm_kernel`, one program per (row, head): RMSNorm of o times ``o_norm``,
    times sigmoid of the output gate (full rank, or the low-rank ``g_b(g_a)`` GEMV).
 
+:func:`_kda_prep_recurrent_kernel` is steps 1 and 2 as one launch (the provider's tactic
+``prep_inside`` 1; small bins, f_b's rank at most ``FB_PRE_RANK``): each (request, head, V
+block) program computes the prep of what its update reads (the head's q, k and gate, its
+block of v) and runs the delta rule on it, with no float32 scratch and no launch boundary
+between the two.
+
 Semantics follow :func:`stepgraph.lower.ref_kda.kda_core` (the numerical ground truth) and
 its slot rules: a request starts from the slot of its row ``num_accepted_tokens - 1`` (q > 1)
 or its row's slot (q = 1); the state after token j goes to row j's slot; a negative slot
@@ -41,7 +47,7 @@ import triton.language as tl
 from stepgraph.runtime.kernels.launch_utils import interpreting, scratch
 from stepgraph.runtime.kernels.sync import arrive, reset
 
-FB_PRE_RANK = 128  # the widest f_b slab the prep kernel holds whole (loaded before its wait)
+FB_PRE_RANK = 128  # the widest f_b slab the prep kernels hold whole (loaded before the wait)
 
 
 def pdl_flag(requested: bool) -> bool:
@@ -305,6 +311,23 @@ def _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, weight, out_ptr, out_s
     tl.store(out_ptr + row * out_stride + chan, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+
+@triton.jit
+def _delta_rule_token(state, q, k, v, g, beta, o_ptrs, mask_v, state_ptr, state_slot_stride,
+                      within, mask_s, slots_ptr, row):
+    """One token of the delta rule on a [K, V block] state: decay by ``exp(g)``, the update
+    ``S += k ((v - S^T k) beta)^T``, ``o = S^T q`` stored at ``o_ptrs``, the state stored to
+    the token's row slot (nothing for a negative slot); returns the new state."""
+    state = state * tl.exp(g)[:, None]
+    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    state = state + k[:, None] * delta[None, :]
+    o = tl.sum(state * q[:, None], axis=0)
+    tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=mask_v)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    tl.store(state_ptr + slot * state_slot_stride + within, state, mask=mask_s & (slot >= 0))
+    return state
+
+
 @triton.jit
 def _kda_recurrent_kernel(
     qn_ptr, kn_ptr, vo_ptr, g_ptr, beta_ptr,
@@ -347,13 +370,8 @@ def _kda_recurrent_kernel(
         v = tl.load(vo_ptr + base + dv, mask=mask_v, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + base + dk, mask=mask_k, other=0.0).to(tl.float32)
         beta = tl.load(beta_ptr + row * H + h).to(tl.float32)
-        state = state * tl.exp(g)[:, None]
-        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], axis=0)
-        tl.store(o_ptr + base + dv, o.to(o_ptr.dtype.element_ty), mask=mask_v)
-        slot = tl.load(slots_ptr + row).to(tl.int64)
-        tl.store(state_ptr + slot * state_slot_stride + within, state, mask=mask_s & (slot >= 0))
+        state = _delta_rule_token(state, q, k, v, g, beta, o_ptr + base + dv, mask_v,
+                                  state_ptr, state_slot_stride, within, mask_s, slots_ptr, row)
     if OUT_NORM:  # noqa: SIM102 (a constexpr test apart: Triton folds it at compile time)
         # the last V block of this head to arrive: every other has stored its o
         if arrive(sem_ptr + n * H + h, dv, FENCE) == tl.num_programs(2) - 1:
@@ -365,20 +383,128 @@ def _kda_recurrent_kernel(
             reset(sem_ptr + n * H + h)
 
 
+
+@triton.jit
+def _fb_chunk(fb_ptr, chan, mask_c, r, RANK: tl.constexpr):
+    """Columns ``r`` of the f_b slab's rows ``chan`` (zeros past RANK)."""
+    return tl.load(fb_ptr + chan[:, None] * RANK + r[None, :],
+                   mask=mask_c[:, None] & (r < RANK)[None, :], other=0.0)
+
+
+@triton.jit
+def _fb_times_fa(fb, fa_row, r, RANK: tl.constexpr):
+    """A loaded f_b chunk (columns ``r``) times the same columns of the f_a row, float32."""
+    fa = tl.load(fa_row + r, mask=r < RANK, other=0.0).to(tl.float32)
+    return fb.to(tl.float32) * fa[None, :]
+
+
+@triton.jit
+def _kda_prep_recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, fa_ptr, b_ptr,
+    q_stride, k_stride, v_stride, fa_stride, b_stride,
+    qw_ptr, kw_ptr, vw_ptr,
+    qs_ptr, ks_ptr, vs_ptr, conv_slot_stride,
+    fb_ptr, dt_ptr, alog_ptr,
+    state_ptr, state_slot_stride, slots_ptr, o_ptr, scale, lower_bound,
+    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr,
+    KW: tl.constexpr, KSP: tl.constexpr, RANK: tl.constexpr, LOWER_BOUND: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The prep and the delta rule of one (row, head, V block) of a decode step (q = 1) in
+    one program: the work of :func:`_kda_prep_kernel` (q and k of the whole head, v of the
+    V block, the head's decay gate from its f_b slab, beta) straight into
+    :func:`_kda_recurrent_kernel`'s update, without the float32 scratch between them. Each V
+    block of a head recomputes the head's q, k and gate. The conv states are only read here
+    (every V block reads the head's q and k states, so none may write them before all have
+    read): the output norm launch after writes them (``CONV``). Before the PDL wait: the
+    state, the conv states and weights, the f_b slab (RANK <= FB_PRE_RANK), the slot."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    dk = tl.arange(0, BD)
+    dv = vb * BV + tl.arange(0, BV)
+    mask_k = dk < D
+    mask_v = dv < D
+    mask_s = mask_k[:, None] & mask_v[None, :]
+    chan_k = h * D + dk
+    chan_v = h * D + dv
+    within = h * D * D + dk[:, None] * D + dv[None, :]
+    cols = tl.arange(0, KW)
+    taps = tl.arange(0, KSP)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    state = tl.load(state_ptr + slot * state_slot_stride + within, mask=mask_s & (slot >= 0),
+                    other=0.0).to(tl.float32)
+    q_init = _load_conv_state(qs_ptr, conv_slot_stride, slot, chan_k, mask_k, cols, KS)
+    k_init = _load_conv_state(ks_ptr, conv_slot_stride, slot, chan_k, mask_k, cols, KS)
+    v_init = _load_conv_state(vs_ptr, conv_slot_stride, slot, chan_v, mask_v, cols, KS)
+    q_w = _load_conv_weight(qw_ptr, chan_k, mask_k, taps, KS)
+    k_w = _load_conv_weight(kw_ptr, chan_k, mask_k, taps, KS)
+    v_w = _load_conv_weight(vw_ptr, chan_v, mask_v, taps, KS)
+    rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dt = tl.load(dt_ptr + chan_k, mask=mask_k, other=0.0).to(tl.float32)
+    # the f_b slab as four [D, 32] column chunks (RANK <= FB_PRE_RANK): one slab tile
+    # would give the state its layout, four times wider than a 32-wide V block
+    r_c = tl.arange(0, 32)
+    fb0 = _fb_chunk(fb_ptr, chan_k, mask_k, r_c, RANK)
+    fb1 = _fb_chunk(fb_ptr, chan_k, mask_k, 32 + r_c, RANK)
+    fb2 = _fb_chunk(fb_ptr, chan_k, mask_k, 64 + r_c, RANK)
+    fb3 = _fb_chunk(fb_ptr, chan_k, mask_k, 96 + r_c, RANK)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q = _conv_silu(q_ptr, q_stride, q_w, taps, q_init, cols, row, chan_k, mask_k, 0, KS, BD)
+    k = _conv_silu(k_ptr, k_stride, k_w, taps, k_init, cols, row, chan_k, mask_k, 0, KS, BD)
+    v = _conv_silu(v_ptr, v_stride, v_w, taps, v_init, cols, row, chan_v, mask_v, 0, KS, BV)
+    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    fa_row = fa_ptr + row * fa_stride
+    f = tl.sum(_fb_times_fa(fb0, fa_row, r_c, RANK) + _fb_times_fa(fb1, fa_row, 32 + r_c, RANK)
+               + _fb_times_fa(fb2, fa_row, 64 + r_c, RANK)
+               + _fb_times_fa(fb3, fa_row, 96 + r_c, RANK), axis=1)
+    g = _decay_gate(f + dt, rate, lower_bound, LOWER_BOUND)
+    beta = tl.sigmoid(tl.load(b_ptr + row * b_stride + h).to(tl.float32))
+    _delta_rule_token(state, q, k, v, g, beta, o_ptr + (row * H + h) * D + dv, mask_v,
+                      state_ptr, state_slot_stride, within, mask_s, slots_ptr, row)
+
+
 @triton.jit
 def _kda_out_norm_kernel(
     o_ptr, gate_ptr, gate_stride, gb_ptr, onorm_ptr, out_ptr, out_stride, eps,
+    q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, qs_ptr, ks_ptr, vs_ptr,
+    conv_slot_stride, slots_ptr,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, GRANK: tl.constexpr,
-    BR: tl.constexpr, LOW_RANK: tl.constexpr, USE_PDL: tl.constexpr,
+    BR: tl.constexpr, LOW_RANK: tl.constexpr, CONV: tl.constexpr, KS: tl.constexpr,
+    KW: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """The gated output norm (:func:`_gated_out_norm`) of one (row, head); its weight
-    loads before the PDL wait."""
+    loads before the PDL wait. ``CONV`` (after :func:`_kda_prep_recurrent_kernel`, one row a
+    request): also the conv states of the row's slot after its token, for the head's q, k
+    and v channels, read before the wait (the inputs and the old states: the launch before
+    only reads them) and written after it (once that launch is done with them)."""
+    row = tl.program_id(0)
+    h = tl.program_id(1)
     weight = _load_o_norm(onorm_ptr, D, BD)
+    if CONV:
+        d = tl.arange(0, BD)
+        mask_c = d < D
+        chan = h * D + d
+        cols = tl.arange(0, KW)
+        slot = tl.load(slots_ptr + row).to(tl.int64)
+        q_init = _load_conv_state(qs_ptr, conv_slot_stride, slot, chan, mask_c, cols, KS)
+        k_init = _load_conv_state(ks_ptr, conv_slot_stride, slot, chan, mask_c, cols, KS)
+        v_init = _load_conv_state(vs_ptr, conv_slot_stride, slot, chan, mask_c, cols, KS)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, weight, out_ptr, out_stride, eps,
-                    tl.program_id(0), tl.program_id(1), H, D, BD, GRANK, BR, LOW_RANK, False)
+                    row, h, H, D, BD, GRANK, BR, LOW_RANK, False)
+    if CONV:
+        _store_conv_state(q_ptr, q_stride, qs_ptr, conv_slot_stride, q_init, cols, row, chan,
+                          mask_c, slot, 0, KS)
+        _store_conv_state(k_ptr, k_stride, ks_ptr, conv_slot_stride, k_init, cols, row, chan,
+                          mask_c, slot, 0, KS)
+        _store_conv_state(v_ptr, v_stride, vs_ptr, conv_slot_stride, v_init, cols, row, chan,
+                          mask_c, slot, 0, KS)
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -466,6 +592,33 @@ def launch_recurrent(qn, kn, vo, g, beta, state, slots, accepted, o, *, heads: i
     )
 
 
+def launch_prep_recurrent(q, k, v, f_a, b, conv_weights, conv_states, f_b, dt_bias, a_log,
+                          state, slots, o, *, heads: int, head_dim: int, gate_form: str,
+                          lower_bound: float | None, block_v: int = 32, num_warps: int = 4,
+                          pdl: bool = False) -> None:
+    """Enqueue the prep and the recurrence of a decode step (one row a request) as one
+    kernel (:func:`_kda_prep_recurrent_kernel`; f_b's rank at most ``FB_PRE_RANK``):
+    operands as :func:`launch_prep` and :func:`launch_recurrent` take them. It leaves the
+    conv states as they were: :func:`launch_out_norm` with ``conv`` writes them after."""
+    rank = f_b.shape[1]
+    if rank > FB_PRE_RANK:
+        raise ValueError(f"the one-launch prep holds f_b's rank whole: {rank} > {FB_PRE_RANK}")
+    kernel_size = conv_weights[0].shape[1]
+    block_v = min(block_v, triton.next_power_of_2(head_dim))
+    use_pdl = pdl_flag(pdl)
+    _kda_prep_recurrent_kernel[(q.shape[0], heads, triton.cdiv(head_dim, block_v))](
+        q, k, v, f_a, b,
+        q.stride(0), k.stride(0), v.stride(0), f_a.stride(0), b.stride(0),
+        *conv_weights, *conv_states, conv_states[0].stride(0),
+        f_b, dt_bias, a_log, state, state.stride(0), slots, o, head_dim**-0.5,
+        float(lower_bound) if lower_bound is not None else 0.0,
+        H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim), BV=block_v, KS=kernel_size,
+        KW=triton.next_power_of_2(max(kernel_size - 1, 1)),
+        KSP=triton.next_power_of_2(kernel_size), RANK=rank,
+        LOWER_BOUND=gate_form == "lower_bound", USE_PDL=use_pdl,
+        num_warps=num_warps, launch_pdl=use_pdl,
+    )
+
 def _norm_operands(gate, g_b, o_norm, out, eps: float) -> tuple[tuple, dict]:
     """The gated output norm's kernel arguments after ``o`` (gate, its row stride, g_b or
     a stand-in, o_norm, out, its row stride, eps) and its constants (GRANK, BR,
@@ -491,13 +644,36 @@ class OutNorm:
 
 
 def launch_out_norm(o, gate, g_b, o_norm, out, *, heads: int, head_dim: int, eps: float,
-                    pdl: bool = False) -> None:
+                    conv: ConvUpdate | None = None, pdl: bool = False) -> None:
     """Enqueue the gated RMSNorm: ``o`` [rows, H, D] contiguous; ``gate`` [rows, H*D] (full)
     or [rows, rank] with ``g_b`` [H*D, rank] (low rank), unit column stride; ``out`` [rows,
-    H*D] with unit column stride."""
+    H*D] with unit column stride. ``conv``: also write the conv states after each row's
+    token (after :func:`launch_prep_recurrent`, one row a request)."""
     use_pdl = pdl_flag(pdl)
     norm_args, norm_shape = _norm_operands(gate, g_b, o_norm, out, eps)
+    if conv is None:  # stand-ins the kernel never reads
+        conv_args: tuple = (o,) * 3 + (0,) * 3 + (o,) * 3 + (0, o)
+        kernel_size = 2
+    else:
+        q, k, v = conv.inputs
+        conv_args = (q, k, v, q.stride(0), k.stride(0), v.stride(0), *conv.states,
+                     conv.states[0].stride(0), conv.slots)
+        kernel_size = conv.kernel_size
     _kda_out_norm_kernel[(o.shape[0], heads)](
-        o, *norm_args, H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim),
+        o, *norm_args, *conv_args, H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim),
+        CONV=conv is not None, KS=kernel_size,
+        KW=triton.next_power_of_2(max(kernel_size - 1, 1)),
         USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl, **norm_shape,
     )
+
+
+class ConvUpdate:
+    """The conv-state update :func:`launch_out_norm` runs after the one-launch prep: the
+    raw q, k, v rows [rows, width] (unit column stride), the three conv states [S, width,
+    KS - 1], the rows' slots."""
+
+    def __init__(self, inputs, states, slots) -> None:
+        self.inputs = tuple(inputs)
+        self.states = tuple(states)
+        self.slots = slots
+        self.kernel_size = int(states[0].shape[2]) + 1

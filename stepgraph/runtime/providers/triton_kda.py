@@ -8,7 +8,12 @@ With tactic key ``out_norm`` 1 our recurrence also runs the gated output norm (i
 block of each head) and the norm launch is gone; by default (0: measured ~4 us slower at one
 row on the H200, docs/perf.md, tenth session), and always with fla's recurrence, the norm is
 a launch of its own.
-Tactic keys: ``block_v`` and ``num_warps`` of the recurrence, ``gate_rows``, ``out_norm``.
+With tactic key ``prep_inside`` 1 (our recurrence, decode steps (q = 1) in a bin that computes
+the gate in the prep, f_b's rank at most ``FB_PRE_RANK``) the prep and the recurrence are one
+launch, and the output norm's launch (never inside the recurrence then) writes the conv
+states.
+Tactic keys: ``block_v`` and ``num_warps`` of the recurrence, ``gate_rows``, ``out_norm``,
+``prep_inside``.
 
 Both handle decode (q = 1) and verify (q > 1) steps. Slots: ``triton`` follows the
 reference exactly (a negative slot reads zeros and writes nothing); fla-core cannot skip a
@@ -189,6 +194,11 @@ def kda_launch(attrs: dict[str, Any], ins: list[torch.Tensor], out: torch.Tensor
     block_v = int(tactic.get("block_v", 32))
     warps = int(tactic.get("num_warps", 4))
     gate_kernel = rows >= int(tactic.get("gate_rows", GATE_KERNEL_ROWS))
+    prep_inside = (bool(int(tactic.get("prep_inside", 0))) and recurrence == "triton"
+                   and q_len == 1 and not gate_kernel
+                   and ops.f_b.shape[1] <= kernels.FB_PRE_RANK)
+    conv_update = (kernels.ConvUpdate((ops.q, ops.k, ops.v), ops.conv_states, ops.slots)
+                   if prep_inside else None)
     dot_f32 = dot_in_f32(ops.f_b.dtype)
     common = dict(heads=heads, head_dim=dim, q_len=q_len)
     requests = rows // q_len
@@ -200,11 +210,19 @@ def kda_launch(attrs: dict[str, Any], ins: list[torch.Tensor], out: torch.Tensor
         fla_accepted = scratch(device, "kda.fla_accepted", requests, torch.int32)
         recurrent = _fla_recurrence(ops, work, fla_slots, fla_accepted, heads, dim, q_len)
     else:
-        if int(tactic.get("out_norm", 0)):
+        if int(tactic.get("out_norm", 0)) and not prep_inside:
             out_norm = kernels.OutNorm(ops.gate, ops.g_b, ops.o_norm, ops.out,
                                        requests=requests, heads=heads, eps=float(attrs["eps"]))
 
         def recurrent() -> None:
+            if prep_inside:
+                kernels.launch_prep_recurrent(
+                    ops.q, ops.k, ops.v, ops.f_a, ops.b, ops.conv_weights, ops.conv_states,
+                    ops.f_b, ops.dt_bias, ops.a_log, ops.state, ops.slots, work.o,
+                    gate_form=attrs["gate_form"], lower_bound=attrs.get("gate_lower_bound"),
+                    block_v=block_v, num_warps=warps, pdl=use_pdl, heads=heads,
+                    head_dim=dim)
+                return
             kernels.launch_recurrent(work.q, work.k, work.v, work.g, work.beta, ops.state,
                                      ops.slots, ops.accepted, work.o, block_v=block_v,
                                      num_warps=warps, out_norm=out_norm, pdl=use_pdl,
@@ -218,17 +236,18 @@ def kda_launch(attrs: dict[str, Any], ins: list[torch.Tensor], out: torch.Tensor
                                 gate_form=attrs["gate_form"],
                                 lower_bound=attrs.get("gate_lower_bound"), dot_f32=dot_f32,
                                 pdl=use_pdl, heads=heads, head_dim=dim)
-        kernels.launch_prep(
-            ops.q, ops.k, ops.v, ops.f_a, ops.b, ops.conv_weights, ops.conv_states, ops.f_b,
-            ops.dt_bias, ops.a_log, ops.slots, ops.accepted,
-            (work.q, work.k, work.v, work.g, work.beta), gate_form=attrs["gate_form"],
-            lower_bound=attrs.get("gate_lower_bound"), fla_slots=fla_slots,
-            fla_accepted=fla_accepted, gate=not gate_kernel, pdl=use_pdl, **common)
+        if not prep_inside:
+            kernels.launch_prep(
+                ops.q, ops.k, ops.v, ops.f_a, ops.b, ops.conv_weights, ops.conv_states,
+                ops.f_b, ops.dt_bias, ops.a_log, ops.slots, ops.accepted,
+                (work.q, work.k, work.v, work.g, work.beta), gate_form=attrs["gate_form"],
+                lower_bound=attrs.get("gate_lower_bound"), fla_slots=fla_slots,
+                fla_accepted=fla_accepted, gate=not gate_kernel, pdl=use_pdl, **common)
         recurrent()
         if out_norm is None:
             kernels.launch_out_norm(work.o, ops.gate, ops.g_b, ops.o_norm, ops.out,
-                                    eps=float(attrs["eps"]), pdl=use_pdl, heads=heads,
-                                    head_dim=dim)
+                                    eps=float(attrs["eps"]), conv=conv_update, pdl=use_pdl,
+                                    heads=heads, head_dim=dim)
 
     return launch
 

@@ -115,6 +115,20 @@ def _load_conv_state(state_ptr, slot_stride, start, chan, mask_c, cols, KS: tl.c
 
 
 @triton.jit
+def _load_conv_operands(qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, vw_ptr, slot_stride, start,
+                        chan_qk, mask_qk, chan_v, mask_v, cols, taps, KS: tl.constexpr):
+    """The conv states of slot ``start`` and the conv weights of q and k (channels
+    ``chan_qk``) and v (``chan_v``): (q, k, v states, q, k, v weights), float32."""
+    q_init = _load_conv_state(qs_ptr, slot_stride, start, chan_qk, mask_qk, cols, KS)
+    k_init = _load_conv_state(ks_ptr, slot_stride, start, chan_qk, mask_qk, cols, KS)
+    v_init = _load_conv_state(vs_ptr, slot_stride, start, chan_v, mask_v, cols, KS)
+    q_w = _load_conv_weight(qw_ptr, chan_qk, mask_qk, taps, KS)
+    k_w = _load_conv_weight(kw_ptr, chan_qk, mask_qk, taps, KS)
+    v_w = _load_conv_weight(vw_ptr, chan_v, mask_v, taps, KS)
+    return q_init, k_init, v_init, q_w, k_w, v_w
+
+
+@triton.jit
 def _store_conv_state(x_ptr, x_stride, state_ptr, slot_stride, init, cols, row0, chan, mask_c,
                       slot, J: tl.constexpr, KS: tl.constexpr):
     """Write the conv state after token ``J`` (its window's taps 1..KS-1) to ``slot``."""
@@ -170,12 +184,9 @@ def _kda_prep_kernel(
     cols = tl.arange(0, KW)
     taps = tl.arange(0, KSP)
     start = _start_slot(slots_ptr, accepted_ptr, row0, Q)
-    q_init = _load_conv_state(qs_ptr, conv_slot_stride, start, chan, mask_c, cols, KS)
-    k_init = _load_conv_state(ks_ptr, conv_slot_stride, start, chan, mask_c, cols, KS)
-    v_init = _load_conv_state(vs_ptr, conv_slot_stride, start, chan, mask_c, cols, KS)
-    q_w = _load_conv_weight(qw_ptr, chan, mask_c, taps, KS)
-    k_w = _load_conv_weight(kw_ptr, chan, mask_c, taps, KS)
-    v_w = _load_conv_weight(vw_ptr, chan, mask_c, taps, KS)
+    q_init, k_init, v_init, q_w, k_w, v_w = _load_conv_operands(
+        qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, vw_ptr, conv_slot_stride, start, chan, mask_c,
+        chan, mask_c, cols, taps, KS)
     rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt = tl.load(dt_ptr + chan, mask=mask_c, other=0.0).to(tl.float32)
     if GATE and FB_PRE:
@@ -434,12 +445,9 @@ def _kda_prep_recurrent_kernel(
     slot = tl.load(slots_ptr + row).to(tl.int64)
     state = tl.load(state_ptr + slot * state_slot_stride + within, mask=mask_s & (slot >= 0),
                     other=0.0).to(tl.float32)
-    q_init = _load_conv_state(qs_ptr, conv_slot_stride, slot, chan_k, mask_k, cols, KS)
-    k_init = _load_conv_state(ks_ptr, conv_slot_stride, slot, chan_k, mask_k, cols, KS)
-    v_init = _load_conv_state(vs_ptr, conv_slot_stride, slot, chan_v, mask_v, cols, KS)
-    q_w = _load_conv_weight(qw_ptr, chan_k, mask_k, taps, KS)
-    k_w = _load_conv_weight(kw_ptr, chan_k, mask_k, taps, KS)
-    v_w = _load_conv_weight(vw_ptr, chan_v, mask_v, taps, KS)
+    q_init, k_init, v_init, q_w, k_w, v_w = _load_conv_operands(
+        qs_ptr, ks_ptr, vs_ptr, qw_ptr, kw_ptr, vw_ptr, conv_slot_stride, slot, chan_k, mask_k,
+        chan_v, mask_v, cols, taps, KS)
     rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt = tl.load(dt_ptr + chan_k, mask=mask_k, other=0.0).to(tl.float32)
     # the f_b slab as four [D, 32] column chunks (RANK <= FB_PRE_RANK): one slab tile

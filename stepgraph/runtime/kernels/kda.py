@@ -140,6 +140,12 @@ def _store_conv_state(x_ptr, x_stride, state_ptr, slot_stride, init, cols, row0,
 
 
 @triton.jit
+def _l2_normalized(x):
+    """``x / sqrt(sum x^2 + 1e-6)``: KDA's L2 norm of q and k over a head."""
+    return x / tl.sqrt(tl.sum(x * x, axis=0) + 1e-6)
+
+
+@triton.jit
 def _decay_gate(x, rate, lower_bound, LOWER_BOUND: tl.constexpr):
     """The log-space decay of ``x = f + dt_bias``: ``lb * sigmoid(rate x)`` or ``-rate *
     softplus(x)`` (softplus linear above 20, as the reference)."""
@@ -211,8 +217,8 @@ def _kda_prep_kernel(
         q = _conv_silu(q_ptr, q_stride, q_w, taps, q_init, cols, row0, chan, mask_c, j, KS, BD)
         k = _conv_silu(k_ptr, k_stride, k_w, taps, k_init, cols, row0, chan, mask_c, j, KS, BD)
         v = _conv_silu(v_ptr, v_stride, v_w, taps, v_init, cols, row0, chan, mask_c, j, KS, BD)
-        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
-        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = _l2_normalized(q)
+        k = _l2_normalized(k)
         tl.store(qn_ptr + out, q, mask=mask_c)
         tl.store(kn_ptr + out, k, mask=mask_c)
         tl.store(vo_ptr + out, v, mask=mask_c)
@@ -322,7 +328,6 @@ def _gated_out_norm(o_ptr, gate_ptr, gate_stride, gb_ptr, weight, out_ptr, out_s
     tl.store(out_ptr + row * out_stride + chan, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-
 @triton.jit
 def _delta_rule_token(state, q, k, v, g, beta, o_ptrs, mask_v, state_ptr, state_slot_stride,
                       within, mask_s, slots_ptr, row):
@@ -394,7 +399,6 @@ def _kda_recurrent_kernel(
             reset(sem_ptr + n * H + h)
 
 
-
 @triton.jit
 def _fb_chunk(fb_ptr, chan, mask_c, r, RANK: tl.constexpr):
     """Columns ``r`` of the f_b slab's rows ``chan`` (zeros past RANK)."""
@@ -418,8 +422,8 @@ def _kda_prep_recurrent_kernel(
     fb_ptr, dt_ptr, alog_ptr,
     state_ptr, state_slot_stride, slots_ptr, o_ptr, scale, lower_bound,
     H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, KS: tl.constexpr,
-    KW: tl.constexpr, KSP: tl.constexpr, RANK: tl.constexpr, LOWER_BOUND: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    KW: tl.constexpr, KSP: tl.constexpr, RANK: tl.constexpr, FBC: tl.constexpr,
+    LOWER_BOUND: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """The prep and the delta rule of one (row, head, V block) of a decode step (q = 1) in
     one program: the work of :func:`_kda_prep_kernel` (q and k of the whole head, v of the
@@ -450,25 +454,26 @@ def _kda_prep_recurrent_kernel(
         chan_v, mask_v, cols, taps, KS)
     rate = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt = tl.load(dt_ptr + chan_k, mask=mask_k, other=0.0).to(tl.float32)
-    # the f_b slab as four [D, 32] column chunks (RANK <= FB_PRE_RANK): one slab tile
-    # would give the state its layout, four times wider than a 32-wide V block
-    r_c = tl.arange(0, 32)
+    # the f_b slab as four [D, FBC] column chunks (4 FBC = FB_PRE_RANK >= RANK): one slab
+    # tile would give the state its layout, four times wider than a 32-wide V block
+    r_c = tl.arange(0, FBC)
     fb0 = _fb_chunk(fb_ptr, chan_k, mask_k, r_c, RANK)
-    fb1 = _fb_chunk(fb_ptr, chan_k, mask_k, 32 + r_c, RANK)
-    fb2 = _fb_chunk(fb_ptr, chan_k, mask_k, 64 + r_c, RANK)
-    fb3 = _fb_chunk(fb_ptr, chan_k, mask_k, 96 + r_c, RANK)
+    fb1 = _fb_chunk(fb_ptr, chan_k, mask_k, FBC + r_c, RANK)
+    fb2 = _fb_chunk(fb_ptr, chan_k, mask_k, 2 * FBC + r_c, RANK)
+    fb3 = _fb_chunk(fb_ptr, chan_k, mask_k, 3 * FBC + r_c, RANK)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     q = _conv_silu(q_ptr, q_stride, q_w, taps, q_init, cols, row, chan_k, mask_k, 0, KS, BD)
     k = _conv_silu(k_ptr, k_stride, k_w, taps, k_init, cols, row, chan_k, mask_k, 0, KS, BD)
     v = _conv_silu(v_ptr, v_stride, v_w, taps, v_init, cols, row, chan_v, mask_v, 0, KS, BV)
-    q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-    k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q = _l2_normalized(q) * scale
+    k = _l2_normalized(k)
     fa_row = fa_ptr + row * fa_stride
-    f = tl.sum(_fb_times_fa(fb0, fa_row, r_c, RANK) + _fb_times_fa(fb1, fa_row, 32 + r_c, RANK)
-               + _fb_times_fa(fb2, fa_row, 64 + r_c, RANK)
-               + _fb_times_fa(fb3, fa_row, 96 + r_c, RANK), axis=1)
+    f = tl.sum(_fb_times_fa(fb0, fa_row, r_c, RANK)
+               + _fb_times_fa(fb1, fa_row, FBC + r_c, RANK)
+               + _fb_times_fa(fb2, fa_row, 2 * FBC + r_c, RANK)
+               + _fb_times_fa(fb3, fa_row, 3 * FBC + r_c, RANK), axis=1)
     g = _decay_gate(f + dt, rate, lower_bound, LOWER_BOUND)
     beta = tl.sigmoid(tl.load(b_ptr + row * b_stride + h).to(tl.float32))
     _delta_rule_token(state, q, k, v, g, beta, o_ptr + (row * H + h) * D + dv, mask_v,
@@ -622,7 +627,7 @@ def launch_prep_recurrent(q, k, v, f_a, b, conv_weights, conv_states, f_b, dt_bi
         float(lower_bound) if lower_bound is not None else 0.0,
         H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim), BV=block_v, KS=kernel_size,
         KW=triton.next_power_of_2(max(kernel_size - 1, 1)),
-        KSP=triton.next_power_of_2(kernel_size), RANK=rank,
+        KSP=triton.next_power_of_2(kernel_size), RANK=rank, FBC=FB_PRE_RANK // 4,
         LOWER_BOUND=gate_form == "lower_bound", USE_PDL=use_pdl,
         num_warps=num_warps, launch_pdl=use_pdl,
     )
@@ -659,19 +664,10 @@ def launch_out_norm(o, gate, g_b, o_norm, out, *, heads: int, head_dim: int, eps
     token (after :func:`launch_prep_recurrent`, one row a request)."""
     use_pdl = pdl_flag(pdl)
     norm_args, norm_shape = _norm_operands(gate, g_b, o_norm, out, eps)
-    if conv is None:  # stand-ins the kernel never reads
-        conv_args: tuple = (o,) * 3 + (0,) * 3 + (o,) * 3 + (0, o)
-        kernel_size = 2
-    else:
-        q, k, v = conv.inputs
-        conv_args = (q, k, v, q.stride(0), k.stride(0), v.stride(0), *conv.states,
-                     conv.states[0].stride(0), conv.slots)
-        kernel_size = conv.kernel_size
+    conv_args, conv_shape = ConvUpdate.kernel_args(conv, o)
     _kda_out_norm_kernel[(o.shape[0], heads)](
         o, *norm_args, *conv_args, H=heads, D=head_dim, BD=triton.next_power_of_2(head_dim),
-        CONV=conv is not None, KS=kernel_size,
-        KW=triton.next_power_of_2(max(kernel_size - 1, 1)),
-        USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl, **norm_shape,
+        USE_PDL=use_pdl, num_warps=4, launch_pdl=use_pdl, **norm_shape, **conv_shape,
     )
 
 
@@ -684,4 +680,18 @@ class ConvUpdate:
         self.inputs = tuple(inputs)
         self.states = tuple(states)
         self.slots = slots
-        self.kernel_size = int(states[0].shape[2]) + 1
+
+    @staticmethod
+    def kernel_args(update: ConvUpdate | None, stand_in) -> tuple[tuple, dict]:
+        """The norm kernel's conv arguments after its norm operands (q, k, v, their row
+        strides, the three states, their slot stride, the slots) and its constants (CONV,
+        KS, KW); without an update, stand-ins (``stand_in``) the kernel never reads."""
+        if update is None:
+            return (stand_in,) * 3 + (0,) * 3 + (stand_in,) * 3 + (0, stand_in), dict(
+                CONV=False, KS=2, KW=1)
+        q, k, v = update.inputs
+        kernel_size = int(update.states[0].shape[2]) + 1
+        args = (q, k, v, q.stride(0), k.stride(0), v.stride(0), *update.states,
+                update.states[0].stride(0), update.slots)
+        return args, dict(CONV=True, KS=kernel_size,
+                          KW=triton.next_power_of_2(max(kernel_size - 1, 1)))

@@ -202,7 +202,11 @@ def interpreter_experts() -> None:
         (1, 16, 8, 4, 4, 1030, 520, SILU, torch.float32, {"gemv": 16, "pre": 1}),
         (1, 32, 4, 28, 2, 48, 40, SILU, torch.float32, {"gemv": 32, "gemv_warps": 4}),
         (1, 8, 8, 0, 2, 600, 72, SITU, torch.float32, {"gemv": 8}),  # 8 rows a program
-        (3, 8, 8, 0, 2, 32, 48, SITU, torch.float32, {"gemv": 16}),  # 3 rows: MMA tiles
+        # the GEMV form at a few rows (an expert slot a program column), other ranks' ids
+        (3, 8, 8, 0, 2, 32, 48, SITU, torch.float32, {"gemv": 16}),
+        (2, 16, 8, 4, 4, 1030, 520, SILU, torch.bfloat16, {"gemv": 16, "pre": 1}),
+        (4, 6, 6, 0, 3, 600, 72, SITU, torch.float32, {"gemv": 8}),
+        (5, 8, 8, 0, 2, 32, 48, SITU, torch.float32, {"gemv": 16}),  # 5 rows: MMA tiles
     ]
     for seed, (rows, e, local, off, k, w, i, act, dt, tactic) in enumerate(cases):
         err = check_routed_experts(rows, e, local, off, k, w, i, act, dt, "cpu", tactic=tactic,
@@ -217,7 +221,7 @@ def interpreter_experts() -> None:
         print(f"combine forms rows={rows} E={e} local={local}+{off} k={k}: equal")
     gen = torch.Generator().manual_seed(11)
     gate_up, down = expert_weights(12, 40, 24, gen, "cpu")
-    for rows, pre, gemv in ((1, 0, 0), (5, 0, 0), (3, 1, 0), (1, 1, 16)):
+    for rows, pre, gemv in ((1, 0, 0), (5, 0, 0), (3, 1, 0), (1, 1, 16), (3, 1, 16)):
         check_moe_chain(rows, "cpu", gate_up, down, top_k=4, replays=2,
                         tactic={"pre": pre, "block_k": 16, "gemv": gemv})
         print(f"router -> experts chain rows={rows} pre={pre} gemv={gemv}: ok")
@@ -283,18 +287,19 @@ def sm90_moe() -> None:
             if c.name != "_moe_combine_kernel":
                 assert "async_copy" in c.ttgir or "async_tma" in c.ttgir, \
                     f"{where}: the expert loop is not pipelined"
-    for experts, gemv, warps in ((112, 16, 8), (112, 32, 8), (64, 8, 8), (112, 16, 4)):
+    for experts, gemv, warps, rows in ((112, 16, 8, 1), (112, 32, 8, 1), (64, 8, 8, 1),
+                                       (112, 16, 4, 1), (112, 16, 8, 2)):
         launch = RoutedExperts(
-            _meta(1, width, dtype=torch.bfloat16), _meta(1, 2, dtype=torch.int32),
-            _meta(1, 2, dtype=torch.float32), _meta(experts, 2 * inter, width),
-            _meta(experts, width, inter), _meta(1, 2, width, dtype=torch.float32), **SITU,
+            _meta(rows, width, dtype=torch.bfloat16), _meta(rows, 2, dtype=torch.int32),
+            _meta(rows, 2, dtype=torch.float32), _meta(experts, 2 * inter, width),
+            _meta(experts, width, inter), _meta(rows, 2, width, dtype=torch.float32), **SITU,
             tactic=MoeTactic(gemv=gemv, gemv_warps=warps, pre=1), slots=True)
         launch.pdl = True
         compiled = sm90_compiles(launch)
         assert sorted(c.name for c in compiled) == ["moe_gemv_down_kernel",
                                                      "moe_gemv_gate_up_kernel"], compiled
         for c in compiled:
-            where = f"{c.name} experts={experts} gemv={gemv} warps={warps}"
+            where = f"{c.name} experts={experts} gemv={gemv} warps={warps} rows={rows}"
             print(f"{where}: {c.regs} regs, {c.spills} B spilled, {c.shared} B shared")
             assert c.spills == 0 and "griddepcontrol.wait" in c.ptx, where
             # the tactic's rows a program reach the kernel's weight tiles
@@ -467,16 +472,18 @@ def check_moe_chain(rows: int, device: str, gate_up: Any, down: Any, top_k: int 
 @CUDA
 @pytest.mark.parametrize("experts", (64, 112))
 @pytest.mark.parametrize(("gemv", "warps", "pre"), ((16, 8, 1), (32, 8, 0), (8, 4, 1)))
-def test_routed_experts_gemv_gpu(experts: int, gemv: int, warps: int, pre: int,
+@pytest.mark.parametrize("rows", (1, 2, 4))
+def test_routed_experts_gemv_gpu(experts: int, gemv: int, warps: int, pre: int, rows: int,
                                  k3_experts: dict[int, tuple[Any, Any]]) -> None:
-    """The one-row GEMV form at K3 shapes (top-16 of 64, top-2 of 112) against the float32
-    reference, alone and as the router's dependent in a replayed CUDA graph (the routing
-    poisoned before each replay: a down launch reading it before its wait too early shows)."""
+    """The GEMV form at K3 shapes (top-16 of 64, top-2 of 112) and one to four rows against
+    the float32 reference, alone and as the router's dependent in a replayed CUDA graph (the
+    routing poisoned before each replay: a down launch reading it before its wait too early
+    shows)."""
     tactic = {"gemv": gemv, "gemv_warps": warps, "pre": pre}
     top_k = 16 if experts == 64 else 2
-    check_routed_experts(1, experts, experts, 0, top_k, 3584, 3072, SITU, torch.bfloat16,
+    check_routed_experts(rows, experts, experts, 0, top_k, 3584, 3072, SITU, torch.bfloat16,
                          "cuda", weights=k3_experts[experts], tactic=tactic, pdl=True)
-    check_moe_chain(1, "cuda", *k3_experts[experts], top_k=top_k, tactic=tactic)
+    check_moe_chain(rows, "cuda", *k3_experts[experts], top_k=top_k, tactic=tactic)
 
 
 @pytest.mark.gpu

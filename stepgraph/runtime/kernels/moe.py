@@ -21,12 +21,12 @@ Routed experts (``x [R, W]``, ``ids``/``weights [R, k]``, ``gate_up [E, 2I, W]``
    its consumer, routed_expert_up, sums them) the down launch writes ``y`` into the output
    ``[R, k, W]`` and no combine runs.
 
-At one row, tactic ``gemv`` swaps 1 and 2 for their one-row GEMV forms
-(:mod:`stepgraph.runtime.kernels.moe_gemv`: a program per tile of
-``gemv`` weight rows and slot ``j`` of the row, the expert ``ids[0, j]``, weights streamed
-into registers as the dense GEMV form does, no MMA); more programs than the MMA form's
-one per expert and 64 rows (k3-rank-tp8 at 16 rows a program: 384 and 448 instead of
-96 and 112).
+At up to :data:`GEMV_ROWS` rows, tactic ``gemv`` swaps 1 and 2 for their GEMV forms
+(:mod:`stepgraph.runtime.kernels.moe_gemv`: a program per tile of ``gemv`` weight rows
+and expert slot ``j``, row ``j // k``'s ``j % k``-th expert, weights streamed into
+registers as the dense GEMV form does, no MMA; two rows that pick one expert read it
+twice); more programs than the MMA form's one per expert and 64 rows (k3-rank-tp8 at one
+row, 16 rows a program: 384 and 448 instead of 96 and 112).
 
 The grid covers ``min(E, R * k)`` experts x tiles x ``ceil(R / BLOCK_M)`` chunks; programs
 past the active experts or rows return at once. A row's ids must be distinct (top-k).
@@ -62,6 +62,7 @@ from stepgraph.runtime.kernels.sync import arrive, reset
 ACTIVATIONS = {"silu": 0, "situ": 1}
 MAX_ROWS = 512  # rows one launch routes (checked: sm_90 compiles without spills up to 512)
 COMBINE_BLOCK = 256
+GEMV_ROWS = 4  # rows the GEMV form serves (slower than the MMA tiles from 4 rows on the H200)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -320,8 +321,8 @@ class MoeTactic:
     ``block_n_down`` output columns a down program, ``block_k``, ``stages``, ``warps``, and
     ``pre``: K tiles of down's weights each down program loads before its PDL wait (0: none;
     rounded down to a power of two); ``combine``: 1, the down launch's last program of each
-    column tile sums the experts' outputs; 0, a third launch does. ``gemv`` > 0: at one
-    row, the one-row GEMV form instead of the MMA tiles
+    column tile sums the experts' outputs; 0, a third launch does. ``gemv`` > 0: at up to
+    :data:`GEMV_ROWS` rows, the GEMV form instead of the MMA tiles
     (:mod:`stepgraph.runtime.kernels.moe_gemv`): ``gemv`` weight rows a program,
     ``gemv_warps`` warps, ``pre`` > 0 lets the down launch load its expert and first chunk
     before its wait, and the experts' outputs are summed by the combine launch (or by the
@@ -423,8 +424,8 @@ class RoutedExperts:
         else:
             self.y = scratch(out.device, "moe_y", count * width,
                              torch.float32).view(count, width)
-        # rows a program of the one-row GEMV form (any power of two: no MMA tile minimum)
-        self.gemv = next_pow2(t.gemv) if t.gemv and rows == 1 else 0
+        # rows a program of the GEMV form (any power of two: no MMA tile minimum)
+        self.gemv = next_pow2(t.gemv) if t.gemv and rows <= GEMV_ROWS else 0
         self.gemv_warps = t.gemv_warps
         self.combine = bool(t.combine) and not slots and not self.gemv
         # rows the fused combine sums at a time: [rows, k, block_n] float32, 16 K elements
@@ -450,22 +451,24 @@ class RoutedExperts:
             launch_pdl=self.pdl)
 
     def _gemv_launches(self) -> None:
-        """gate_up + activation and down + routing weight, one-row GEMV form (16 KB of
+        """gate_up + activation and down + routing weight, GEMV form (16 KB of
         weights a chunk: gate_up's chunk holds gate's and up's rows)."""
         x, ids, wts, gu, dn, h, y = (self.x, self.ids, self.weights, self.gate_up, self.down,
                                      self.h, self.y)
-        common = dict(BLOCK_W=self.gemv, USE_PDL=self.pdl,
+        common = dict(BLOCK_W=self.gemv, TOPK=self.top_k, ONE_ROW=self.rows == 1,
+                      USE_PDL=self.pdl,
                       num_warps=self.gemv_warps, launch_pdl=self.pdl)
-        moe_gemv_gate_up_kernel[(triton.cdiv(self.inter, self.gemv), self.top_k)](
+        slots = self.rows * self.top_k
+        moe_gemv_gate_up_kernel[(triton.cdiv(self.inter, self.gemv), slots)](
             x, ids, gu, h, self.width, self.inter, self.offset, self.experts,
-            x.stride(1), ids.stride(1), gu.stride(0), gu.stride(1), gu.stride(2),
-            h.stride(0), self.beta, self.beta_linear, ACT=self.act,
+            x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), gu.stride(0),
+            gu.stride(1), gu.stride(2), h.stride(0), self.beta, self.beta_linear, ACT=self.act,
             CHUNK_K=tile_width(2 * self.gemv), **common)
-        moe_gemv_down_kernel[(triton.cdiv(self.width, self.gemv), self.top_k)](
+        moe_gemv_down_kernel[(triton.cdiv(self.width, self.gemv), slots)](
             h, ids, wts, dn, y, self.width, self.inter, self.offset, self.experts,
-            h.stride(0), ids.stride(1), wts.stride(1), dn.stride(0), dn.stride(1),
-            dn.stride(2), y.stride(0), PRE=self.pre > 0, CHUNK_K=tile_width(self.gemv),
-            **common)
+            h.stride(0), ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
+            dn.stride(0), dn.stride(1), dn.stride(2), y.stride(0), PRE=self.pre > 0,
+            CHUNK_K=tile_width(self.gemv), **common)
 
     def _mma_launches(self) -> None:
         """gate_up + activation and down + routing weight (+ fused combine), MMA tiles."""

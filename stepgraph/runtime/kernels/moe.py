@@ -62,7 +62,7 @@ from stepgraph.runtime.kernels.sync import arrive, reset
 ACTIVATIONS = {"silu": 0, "situ": 1}
 MAX_ROWS = 512  # rows one launch routes (checked: sm_90 compiles without spills up to 512)
 COMBINE_BLOCK = 256
-GEMV_ROWS = 4  # rows the GEMV form serves (slower than the MMA tiles from 4 rows on the H200)
+GEMV_ROWS = 4  # rows the GEMV form serves (tested 1-4; the H200 table gives it bins 1, 2)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -458,13 +458,13 @@ class RoutedExperts:
         common = dict(BLOCK_W=self.gemv, TOPK=self.top_k, ONE_ROW=self.rows == 1,
                       USE_PDL=self.pdl,
                       num_warps=self.gemv_warps, launch_pdl=self.pdl)
-        slots = self.rows * self.top_k
-        moe_gemv_gate_up_kernel[(triton.cdiv(self.inter, self.gemv), slots)](
+        count = self.rows * self.top_k  # expert slots: a program column each
+        moe_gemv_gate_up_kernel[(triton.cdiv(self.inter, self.gemv), count)](
             x, ids, gu, h, self.width, self.inter, self.offset, self.experts,
             x.stride(0), x.stride(1), ids.stride(0), ids.stride(1), gu.stride(0),
             gu.stride(1), gu.stride(2), h.stride(0), self.beta, self.beta_linear, ACT=self.act,
             CHUNK_K=tile_width(2 * self.gemv), **common)
-        moe_gemv_down_kernel[(triton.cdiv(self.width, self.gemv), slots)](
+        moe_gemv_down_kernel[(triton.cdiv(self.width, self.gemv), count)](
             h, ids, wts, dn, y, self.width, self.inter, self.offset, self.experts,
             h.stride(0), ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
             dn.stride(0), dn.stride(1), dn.stride(2), y.stride(0), PRE=self.pre > 0,

@@ -14,6 +14,7 @@ inside a captured CUDA graph with PDL, replayed on fresh inputs.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,13 +44,16 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 # table's rows of that shape, where it has them, and a few more; n_tile 1 is the GEMV form)
 K3_PROJECTIONS = (
     (6288, 7168, "bfloat16", ((128, 8, 2, 6), (128, 16, 2, 6), (128, 32, 2, 5), (64, 64, 1, 6),
-                              (8, 1, 1, 2, 0, 8), (8, 1, 1, 2, 0, 4))),
+                              (8, 1, 1, 2, 0, 8), (8, 1, 1, 2, 0, 4), (8, 2, 1, 2, 0, 4))),
     (3648, 7168, "bfloat16", ((64, 8, 4, 8), (64, 16, 2, 10), (64, 32, 2, 8), (64, 64, 2, 5),
-                              (16, 1, 1, 2, 0, 8), (16, 1, 1, 3, 0, 8), (16, 1, 2, 4, 0, 4))),
-    (560, 7168, "float32", ((64, 8, 4, 8), (32, 16, 8, 6), (64, 64, 2, 5), (8, 1, 4, 2, 0, 8))),
+                              (16, 1, 1, 2, 0, 8), (16, 1, 1, 3, 0, 8), (16, 1, 2, 4, 0, 4),
+                              (16, 2, 1, 2, 0, 8), (16, 4, 1, 2, 0, 8))),
+    (560, 7168, "float32", ((64, 8, 4, 8), (32, 16, 8, 6), (64, 64, 2, 5), (8, 1, 4, 2, 0, 8),
+                            (8, 2, 4, 2, 0, 8))),
     (7168, 1536, "bfloat16", ((128, 16, 1, 4), (64, 16, 2, 6), (64, 64, 1, 4),
-                              (32, 1, 1, 2, 0, 8))),
+                              (32, 1, 1, 2, 0, 8), (32, 2, 1, 3, 0, 8))),
 )
+GEMV_KERNELS = ("_gemv_kernel", "gemv_rows_kernel")
 
 needs_triton = pytest.mark.skipif(not has_triton(), reason="triton is not installed")
 
@@ -290,6 +294,12 @@ def interpreter_projection() -> None:
         (3, 37, 200, (16, 1, 3, 3), torch.bfloat16, True),
         (1, 40, 256, (4, 1, 2, 4), torch.float32, False),
         (2, 24, 48, (32, 1, 8, 4), torch.bfloat16, True),
+        # the GEMV form over 2 / 4 rows a program (n_tile 2, 4): whole and ragged row
+        # groups, ragged N and K, 3 splits, f32 out, 2..4 chunks in flight
+        (2, 70, 96, (8, 2, 1, 2), torch.bfloat16, True),
+        (3, 37, 200, (16, 2, 3, 3), torch.bfloat16, True),
+        (4, 40, 256, (4, 4, 2, 4), torch.float32, False),
+        (7, 33, 200, (8, 4, 1, 2), torch.bfloat16, True),
     ]
     for seed, (rows, n, k, t, dtype, strided) in enumerate(cases):
         tactic = _tactic(t)
@@ -298,15 +308,18 @@ def interpreter_projection() -> None:
         print(f"projection rows={rows} n={n} k={k} {t} {dtype}: {err:.2e}")
     err = check_projection(4, 40, 64, {}, torch.bfloat16, "cpu", seed=9)  # empty tactic
     print(f"projection default tactic: {err:.2e}")
-    tactic = {**_tactic((32, 16, 3, 2)), "k_tile": 32, "fused": 0}  # a reduction launch
-    err = check_projection(3, 50, 200, tactic, torch.bfloat16, "cpu", seed=10)
-    print(f"projection with a reduction launch: {err:.2e}")
+    for t in ((32, 16, 3, 2), (16, 2, 3, 2)):  # a reduction launch (MMA, two-row GEMV)
+        tactic = {**_tactic(t), "k_tile": 32, "fused": 0}
+        err = check_projection(3, 50, 200, tactic, torch.bfloat16, "cpu", seed=10)
+        print(f"projection {t} with a reduction launch: {err:.2e}")
     # with an input norm: inside the GEMV (one split; 1 and 3 rows, ragged K, 2 and 3
     # chunks), and through an RMSNorm launch first (GEMV with 2 splits, the MMA form)
     for seed, (rows, n, k, t) in enumerate(((1, 70, 200, (8, 1, 1, 2)),
                                             (3, 37, 96, (16, 1, 1, 3)),
                                             (2, 40, 256, (8, 1, 2, 2)),
-                                            (5, 33, 200, (32, 16, 2, 2)))):
+                                            (5, 33, 200, (32, 16, 2, 2)),
+                                            (2, 70, 200, (8, 2, 1, 2)),
+                                            (3, 37, 96, (16, 4, 1, 3)))):
         tactic = {**_tactic(t), "k_tile": 32}
         err = check_projection(rows, n, k, tactic, torch.bfloat16, "cpu", seed=20 + seed,
                                norm=True)
@@ -316,7 +329,9 @@ def interpreter_projection() -> None:
     for seed, (rows, n, k, top_k, t, norm) in enumerate(((1, 70, 200, 2, (8, 1, 1, 2), True),
                                                          (1, 37, 96, 3, (16, 1, 1, 3), False),
                                                          (1, 40, 256, 2, (8, 1, 2, 2), True),
-                                                         (3, 33, 200, 2, (32, 16, 2, 2), True))):
+                                                         (3, 33, 200, 2, (32, 16, 2, 2), True),
+                                                         (3, 70, 200, 2, (8, 2, 1, 2), True),
+                                                         (2, 37, 96, 3, (16, 4, 1, 2), False))):
         tactic = {**_tactic(t), "k_tile": 32}
         err = check_combined_projection(rows, n, k, top_k, tactic, "cpu", norm, seed=40 + seed)
         print(f"projection with an input combine rows={rows} {t}: {err:.2e}")
@@ -419,15 +434,19 @@ def sm90_projection() -> None:
                     assert c.spills == 0, f"{where}: {c.name} spills {c.spills} bytes"
                     assert c.shared <= SMEM_LIMIT, f"{where}: {c.name} shared {c.shared}"
                     assert "griddepcontrol.wait" in c.ptx, f"{where}: {c.name} has no PDL wait"
-                    if c.name in ("_splitk_kernel", "_gemv_kernel"):
+                    if c.name in ("_splitk_kernel", *GEMV_KERNELS):
                         assert c.loads_before_wait(), f"{where}: no weight load before the wait"
                         assert "griddepcontrol.launch_dependents" in c.ptx, where
                     if c.name == "_splitk_kernel":
                         assert "async_copy" in c.ttgir or "async_tma" in c.ttgir, \
                             f"{where}: the main loop is not pipelined"
-                    if c.name == "_gemv_kernel":  # registers only: no shared-memory staging
-                        assert "async_copy" not in c.ttgir and c.shared <= 4096, \
+                    if c.name in GEMV_KERNELS:  # registers only: no shared-memory staging
+                        assert "async_copy" not in c.ttgir and c.shared <= 8192, \
                             f"{where}: the GEMV stages through shared memory"
+                    if c.name == "gemv_rows_kernel":
+                        assert p.block_r == t[1] and c.regs <= 65536 // (32 * p.warps) // 2, \
+                            f"{where}: {c.regs} registers: under two programs an SM"
+                        _assert_row_major_chunks(c.ttgir, where)
     # the GEMV with an input norm (k3-rank-tp8's routed_up, a TP1 in_proj, the lm_head):
     # still two programs an SM (at most 128 registers at 8 warps), no spills
     from stepgraph.runtime.kernels.splitk_gemm import InputNorm
@@ -450,6 +469,27 @@ def sm90_projection() -> None:
     print(f"{c.name} 7168x3584 with an input combine and norm: {c.regs} regs, {c.spills} B")
     assert c.name == "_gemv_kernel" and c.spills == 0 and c.regs <= 128, c.regs
     assert c.loads_before_wait(), "input combine: no weight load before the wait"
+    # the same at the H200 table's bin 2 (two rows a program)
+    gemm = SplitKGemm(_meta(2, 2, 3584, dtype=torch.float32), _meta(7168, 3584),
+                      _meta(2, 7168), SplitKTactic(32, 2, 1, 2, 0, 8),
+                      norm=InputNorm(_meta(3584), 1e-5, torch.bfloat16), combine=torch.bfloat16)
+    gemm.pdl = True
+    (c,) = sm90_compiles(gemm)
+    print(f"{c.name} 7168x3584, 2 rows, with an input combine and norm: {c.regs} regs")
+    assert c.name == "gemv_rows_kernel" and c.spills == 0 and c.regs <= 128, c.regs
+    assert c.loads_before_wait(), "2 rows, input combine: no weight load before the wait"
+    _assert_row_major_chunks(c.ttgir, "2 rows, input combine")
+
+
+def _assert_row_major_chunks(ttgir: str, where: str) -> None:
+    """The multi-row GEMV's weight chunks ``[CHUNK_K / 8, BLOCK_W, 8]`` load 16 bytes a
+    thread with a warp's lanes along the chunk's columns (one weight row's contiguous bytes),
+    not across weight rows (what Triton picks without the kernel's contiguity hint)."""
+    layouts = re.findall(r"sizePerThread = \[1, 1, 8\], threadsPerWarp = \[(\d+), (\d+), 1\]",
+                         ttgir)
+    assert layouts, f"{where}: no [1, 1, 8] 3-D load layout in the TTGIR"
+    assert all(lanes == "32" for lanes, _ in layouts), \
+        f"{where}: a warp's lanes span weight rows (threadsPerWarp {layouts})"
 
 
 def sm90_small_ops() -> None:
@@ -622,14 +662,16 @@ def test_tune_refuses_without_cuda() -> None:
 
 
 def test_candidate_tactics_keep_two_k_tiles_a_split() -> None:
-    """The tuning grid never splits K below two K tiles a split."""
+    """The tuning grid never splits K below two K tiles a split, and takes the GEMV forms
+    (one program for all the rows, in groups of 1, 2 or 4) only up to four rows."""
     from stepgraph.runtime.tune import candidate_tactics
 
     for rows in ROWS:
         for k in (1536, 3584, 7168):
             for m_tile, n_tile, split, *_ in candidate_tactics(rows, k):
                 assert split == 1 or k // split >= 2 * (16384 // (2 * m_tile)), (k, split)
-                assert 8 <= n_tile <= 64 or (n_tile == 1 and rows == 1), (rows, n_tile)
+                gemv = n_tile <= 4 and rows <= 4 and n_tile == 1 << (rows - 1).bit_length()
+                assert 8 <= n_tile <= 64 or gemv, (rows, n_tile)
 
 
 # ----------------------------------------------------------------------------- GPU tests

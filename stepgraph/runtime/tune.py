@@ -28,7 +28,7 @@ import yaml
 
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
-from stepgraph.runtime.kernels.launch_utils import tile_width
+from stepgraph.runtime.kernels.launch_utils import GEMV_GROUP_ROWS, tile_width
 from stepgraph.tactics import write_table_file
 
 PROJECTION_OPS = ("projection", "o_proj", "lm_head")
@@ -86,10 +86,11 @@ def projection_shapes(graph: Graph) -> list[ProjShape]:
 def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int, ...]]:
     """The split-K grid tried at ``rows``: m_tile 32 / 64 / 128 (64 / 128 when ``quick``),
     split 1..8 (while each split keeps at least two K tiles), stages 4 / 6 (4 only when
-    ``quick``); n_tile = the rows (8..64). At one row also the GEMV form (n_tile 1, 16 KB
-    chunks): m_tile 4 / 8 / 16 / 32 (8 / 16 when ``quick``), split 1 / 2 / 4, 2 or 3 chunks
-    in flight (2 when ``quick``), 4 or 8 warps (8 when ``quick``), as
-    ``[m_tile, 1, split, chunks, 0, warps]``. Launches timed alone back to back favour 3
+    ``quick``); n_tile = the rows (8..64). Up to :data:`~stepgraph.runtime.kernels.
+    launch_utils.GEMV_GROUP_ROWS` rows also a GEMV form (one row a program at one row, all of them
+    at 2..4; 16 KB chunks): m_tile 4 / 8 / 16 / 32 (8 / 16 when ``quick``), split 1 / 2 / 4, 2
+    or 3 chunks in flight (2 when ``quick``), 4 or 8 warps (8 when ``quick``), as
+    ``[m_tile, n_tile, split, chunks, 0, warps]``. Launches timed alone back to back favour 3
     chunks; inside the step 2 measured faster (docs/perf.md): check a table in the step."""
     n_tile = max(8, min(64, 1 << max(0, (rows - 1).bit_length())))
     out: list[tuple[int, ...]] = []
@@ -99,14 +100,15 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
                 continue
             for stages in ((4,) if quick else (4, 6)):
                 out.append((m_tile, n_tile, split, stages))
-    if rows == 1:
+    if rows <= GEMV_GROUP_ROWS:
+        gemv_rows = 1 << max(0, (rows - 1).bit_length())  # the kernel's row groups: 1, 2, 4
         for m_tile in ((8, 16) if quick else (4, 8, 16, 32)):
             for split in (1, 2, 4):
                 if split > 1 and k // split < 2 * tile_width(m_tile):
                     continue
                 for depth in ((2,) if quick else (2, 3)):
                     for warps in ((8,) if quick else (4, 8)):
-                        out.append((m_tile, 1, split, depth, 0, warps))
+                        out.append((m_tile, gemv_rows, split, depth, 0, warps))
     return out
 
 

@@ -41,6 +41,7 @@ def pdl_allowed(wanted: bool, device: torch.device) -> bool:
     return major >= 9
 
 
+GEMV_GROUP_ROWS = 4  # the most batch rows one program of the projections' GEMV forms takes
 TILE_BYTES = 16384  # a weight tile (MMA form) or chunk (GEMV form) when a tactic sets no k_tile
 
 

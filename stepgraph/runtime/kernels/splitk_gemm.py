@@ -12,6 +12,10 @@ order (deterministic whichever finishes last) into the output; tactics with ``fu
 them in a second launch (``_splitk_reduce_kernel``) instead. Launches use PDL when allowed,
 and let their dependents launch right after the wait (as every kernel of the runtime), so
 the next launch's own weight loads overlap this one's whole stream, not only its tail.
+
+The GEMV forms (``n_tile`` up to :data:`GEMV_GROUP_ROWS`, no MMA, weights straight to registers):
+``_gemv_kernel`` for one row a program, :mod:`~stepgraph.runtime.kernels.gemv_rows` for two
+or four.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import triton.language as tl
 
 from stepgraph.errors import UserError
 from stepgraph.runtime.kernels.elementwise import Add, RmsNorm
+from stepgraph.runtime.kernels.gemm_tiles import k_range, store_tile
+from stepgraph.runtime.kernels.gemv_rows import gemv_rows_kernel
 from stepgraph.runtime.kernels.launch_utils import (
+    GEMV_GROUP_ROWS,
     dot_in_f32,
     interpreting,
     next_pow2,
@@ -34,7 +41,6 @@ from stepgraph.runtime.kernels.launch_utils import (
     scratch,
     tile_width,
 )
-from stepgraph.runtime.kernels.sync import arrive, reset
 
 SMEM_LIMIT = 232448  # bytes of shared memory one program may use (H100/H200: 227 KB)
 REDUCE_BLOCK = 1024
@@ -47,43 +53,6 @@ def mma(a, b, acc, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-
-
-@triton.jit
-def _store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, tile, out_ptr, ws_ptr, sem_ptr,
-                R, N, stride_or, stride_on,
-                SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr):
-    """Write one output tile ``acc[w, r]`` (float32) of K split ``pid_s``: the output itself
-    with one split; else its float32 partial ``[split, R, N]``, and with ``FUSED`` the
-    tile's last split to finish (counter ``tile`` in ``sem_ptr``, left at zero again) sums
-    the partials in split order and writes the output."""
-    mask = w_rows[:, None] & x_rows[None, :]
-    if SPLIT == 1:
-        ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        ws = ws_ptr + (pid_s * R + offs_r[None, :]) * N + offs_w[:, None]
-        tl.store(ws, acc, mask=mask)
-        if FUSED:  # noqa: SIM102 (a constexpr test apart: Triton folds it at compile time)
-            if arrive(sem_ptr + tile, offs_w, FENCE) == SPLIT - 1:  # the others are stored
-                total = tl.zeros(acc.shape, dtype=tl.float32)
-                for s in tl.static_range(SPLIT):
-                    part = ws_ptr + (s * R + offs_r[None, :]) * N + offs_w[:, None]
-                    total += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-                ptrs = out_ptr + offs_r[None, :] * stride_or + offs_w[:, None] * stride_on
-                tl.store(ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
-                reset(sem_ptr + tile)
-
-
-@triton.jit
-def _k_range(pid_s, blocks_per_split, K, BLOCK: tl.constexpr):
-    """The K range ``[k_lo, k_hi)`` of split ``pid_s`` (``k_lo`` a multiple of ``BLOCK``:
-    aligned loads) and its number of ``BLOCK``-wide steps."""
-    k_lo = pid_s * blocks_per_split * BLOCK
-    k_hi = k_lo + blocks_per_split * BLOCK
-    if k_hi > K:
-        k_hi = K
-    return k_lo, k_hi, tl.cdiv(k_hi - k_lo, BLOCK)
 
 
 @triton.jit
@@ -108,7 +77,7 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
-    k_lo, k_hi, tiles = _k_range(pid_s, tiles_per_split, K, BLOCK_K)
+    k_lo, k_hi, tiles = k_range(pid_s, tiles_per_split, K, BLOCK_K)
     w_rows = offs_w < N
     x_rows = offs_r < R
     w_base = w_ptr + offs_w[:, None] * stride_wn
@@ -149,7 +118,7 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
                         mask=x_rows[None, :] & (kk < k_hi)[:, None], other=0.0)
         acc = mma(w, x, acc, DOT_F32)
 
-    _store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, pid_r * tl.num_programs(0) + pid_w,
+    store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, pid_r * tl.num_programs(0) + pid_w,
                 out_ptr, ws_ptr, sem_ptr, R, N, stride_or, stride_on, SPLIT, FUSED, FENCE)
 
 
@@ -208,7 +177,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     row = tl.program_id(2)
     offs_w = pid_w * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_k = tl.arange(0, CHUNK_K)
-    k_lo, k_hi, chunks = _k_range(pid_s, chunks_per_split, K, CHUNK_K)
+    k_lo, k_hi, chunks = k_range(pid_s, chunks_per_split, K, CHUNK_K)
     w_rows = offs_w < N
     w_base = w_ptr + offs_w[:, None] * stride_wn
     x_base = x_ptr + row * stride_xr
@@ -253,7 +222,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     part = tl.sum(acc, axis=1)[:, None]
     if NORM:
         part = part * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-    _store_tile(part, offs_w, offs_r, w_rows, offs_r < R, pid_s,
+    store_tile(part, offs_w, offs_r, w_rows, offs_r < R, pid_s,
                 row * tl.num_programs(0) + pid_w, out_ptr, ws_ptr, sem_ptr, R, N,
                 stride_or, stride_on, SPLIT, FUSED, FENCE)
 
@@ -284,7 +253,10 @@ class SplitKTactic:
     ``warps``, ``pre`` (weight tiles loaded before the PDL wait) and ``fused`` (1: the last
     split of a tile reduces; 0: a reduction launch) refine it. ``n_tile`` 1 is the GEMV form
     (:func:`_gemv_kernel`: one batch row a program, no MMA; ``stages`` 2..4 = weight chunks
-    in flight, the first ``stages - 1`` before the PDL wait; ``pre`` unused)."""
+    in flight, the first ``stages - 1`` before the PDL wait; ``pre`` unused); ``n_tile`` 2
+    or 4 (up to :data:`GEMV_GROUP_ROWS`) the GEMV form over that many rows a program
+    (:func:`~stepgraph.runtime.kernels.gemv_rows.gemv_rows_kernel`, each weight chunk loaded
+    once for all of them; 3 rounds up to 4)."""
 
     m_tile: int = 128
     n_tile: int = 16
@@ -331,9 +303,9 @@ def plan_splitk(rows: int, n: int, k: int, tactic: SplitKTactic) -> SplitKPlan:
     for name in ("m_tile", "n_tile", "split", "stages"):
         if getattr(tactic, name) < 1:
             raise UserError(f"split-K tactic {tactic}: {name} must be positive")
-    gemv = tactic.n_tile == 1
+    gemv = tactic.n_tile <= GEMV_GROUP_ROWS
     if gemv:
-        block_w, block_r = next_pow2(tactic.m_tile), 1
+        block_w, block_r = next_pow2(tactic.m_tile), next_pow2(tactic.n_tile)
         block_k = next_pow2(tactic.k_tile or max(64, tile_width(block_w)))
         stages = max(2, min(4, tactic.stages))  # chunks in flight, in registers
     else:
@@ -439,7 +411,15 @@ class SplitKGemm:
                       USE_PDL=self.pdl, num_warps=p.warps, launch_pdl=self.pdl)
         for launch in self.before:
             launch()
-        if p.gemv:
+        if p.gemv and p.block_r > 1:
+            norm = self.norm
+            gemv_rows_kernel[p.grid](*args, norm.weight if norm else w,
+                                      norm.eps if norm else 0.0, self.slot_stride,
+                                      ROWS=p.block_r, BLOCK_W=p.block_w, CHUNK_K=p.block_k,
+                                      DEPTH=p.stages, NORM=norm is not None,
+                                      SLOTS=self.slots, ROUND_BF16=self.round_bf16,
+                                      num_stages=1, **common)
+        elif p.gemv:
             norm = self.norm
             _gemv_kernel[p.grid](*args, norm.weight if norm else w, norm.eps if norm else 0.0,
                                  self.slot_stride,

@@ -11,8 +11,8 @@ from stepgraph.runtime.kernels.sync import arrive, reset
 
 @triton.jit
 def store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, tile, out_ptr, ws_ptr, sem_ptr,
-                R, N, stride_or, stride_on,
-                SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr):
+               R, N, stride_or, stride_on,
+               SPLIT: tl.constexpr, FUSED: tl.constexpr, FENCE: tl.constexpr):
     """Write one output tile ``acc[w, r]`` (float32) of K split ``pid_s``: the output itself
     with one split; else its float32 partial ``[split, R, N]``, and with ``FUSED`` the
     tile's last split to finish (counter ``tile`` in ``sem_ptr``, left at zero again) sums

@@ -119,7 +119,7 @@ def _splitk_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
         acc = mma(w, x, acc, DOT_F32)
 
     store_tile(acc, offs_w, offs_r, w_rows, x_rows, pid_s, pid_r * tl.num_programs(0) + pid_w,
-                out_ptr, ws_ptr, sem_ptr, R, N, stride_or, stride_on, SPLIT, FUSED, FENCE)
+               out_ptr, ws_ptr, sem_ptr, R, N, stride_or, stride_on, SPLIT, FUSED, FENCE)
 
 
 @triton.jit
@@ -223,8 +223,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     if NORM:
         part = part * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
     store_tile(part, offs_w, offs_r, w_rows, offs_r < R, pid_s,
-                row * tl.num_programs(0) + pid_w, out_ptr, ws_ptr, sem_ptr, R, N,
-                stride_or, stride_on, SPLIT, FUSED, FENCE)
+               row * tl.num_programs(0) + pid_w, out_ptr, ws_ptr, sem_ptr, R, N,
+               stride_or, stride_on, SPLIT, FUSED, FENCE)
 
 
 @triton.jit

@@ -351,6 +351,8 @@ QUERY_CASES = [
     dict(heads=2, rows=2, q_lora=None, nope=16, rope=16, v_dim=8, lora=48),
     dict(heads=2, rows=20, rope_theta=50000.0, rope=16),
     dict(heads=3, rows=1, tactic={"norm_inside": 1}),  # q_a's norm inside q_b's GEMV
+    dict(heads=3, rows=2, tactic={"norm_inside": 1}),  # inside the two-row GEMV
+    dict(heads=2, rows=2, rope_theta=10000.0),  # the two-row GEMV after a norm launch
     dict(heads=2, rows=4, rope_theta=10000.0, tactic={"norm_inside": 1}),  # norm launch first
     dict(heads=2, rows=1, index=(4, 16), tactic={"norm_inside": 1}),  # DSA keeps the norm
 ]

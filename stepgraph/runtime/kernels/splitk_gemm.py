@@ -271,11 +271,12 @@ class SplitKTactic:
     def from_mapping(cls, tactic: Mapping[str, Any] | None, rows: int) -> SplitKTactic:
         """The tactic of a bin decision (``{m_tile, n_tile, split, stages}``, optional
         ``k_tile``, ``warps``, ``pre``); an empty mapping gives a default for ``rows``: the
-        GEMV form at one row (faster than the MMA form at every K3 shape measured, see
-        docs/perf.md), else an MMA tile of the rows."""
+        GEMV form at one or two rows (faster than the MMA form at every K3 shape measured at
+        one row, and for the MLA q_b at two: see docs/perf.md), else an MMA tile of the
+        rows."""
         if not tactic:
-            if rows == 1:
-                return cls(m_tile=16, n_tile=1, stages=2, warps=8)
+            if rows <= 2:
+                return cls(m_tile=16, n_tile=rows, stages=2, warps=8)
             return cls(n_tile=min(64, max(16, next_pow2(rows))))
         known = {f: int(tactic[f]) for f in cls.__dataclass_fields__ if f in tactic}
         return cls(**known)

@@ -221,7 +221,7 @@ def mla_query_launch(attrs: dict[str, Any], ins: list[torch.Tensor], outs: list[
             def project() -> None:
                 q_a_norm()
                 q_b_gemm()
-        else:  # the norm inside q_b's GEMV at one row (SplitKGemm's input norm)
+        else:  # the norm inside q_b's GEMV at one or two rows (SplitKGemm's input norm)
             project = SplitKGemm(q_a, q_b, query, q_b_tactic, pdl=pdl,
                                  norm=InputNorm(q_norm, eps, act))
     else:

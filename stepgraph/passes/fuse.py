@@ -27,8 +27,8 @@ Second rewrite: ``y = rmsnorm(x, weight)`` whose only reader is a ``projection``
 routed_expert_up, the final norm before the lm_head) becomes that node with ``x`` as its
 rows, the norm weight as a third input and attrs ``input_norm_eps`` and
 ``input_norm_dtype`` (the norm output's dtype, where the reference rounds the normed rows,
-so the fused reference equals the two nodes'). At one row the GEMV form normalizes while
-it streams (:mod:`stepgraph.runtime.kernels.splitk_gemm`): one launch less. A sharded norm
+so the fused reference equals the two nodes'). At one to four rows the GEMV forms normalize
+while they stream (:mod:`stepgraph.runtime.kernels.splitk_gemm`): one launch less. A sharded norm
 (``ways`` > 1: an all-reduced mean square), a projection split along its inputs (a
 rank's columns of ``y``) or a viewed ``y`` is left alone.
 
@@ -39,9 +39,9 @@ in), leaves the weighted sum to that projection: the experts node gets attr ``sl
 ``slot_dtype``, y's dtype) and writes ``<y>.slots``, float32 ``[R, k, W]``, each row's
 expert outputs side by side; the projection reads the slots as its rows with attrs
 ``input_combine_top_k`` and ``input_combine_dtype`` and sums them first, in slot order
-(the experts kernels' own combine order), rounded where y was stored. At one row the GEMV
-form sums them while it streams (one launch less a layer); other forms run the sum as a
-launch first. With more slots a row the GEMV's programs would each reread k x W float32
+(the experts kernels' own combine order), rounded where y was stored. At one to four rows
+the GEMV forms sum them while they stream (one launch less a layer); the MMA tiles run the
+sum as a launch first. With more slots a row the GEMV's programs would each reread k x W float32
 values, so top-k above ``combine_top_k`` keeps its combine.
 
 ``enabled`` off (the ablation) returns the graph unchanged.

@@ -2,9 +2,10 @@
 attention, LSE merge: :mod:`stepgraph.runtime.kernels.mla`), with DCP's two outputs (the
 rank's o_latent and LSE, merged over its splits, not across ranks); ``triton`` for
 ``mla_query`` (q_a's RMSNorm in Triton, q_b as one split-K launch (PDL, the GEMV form at one
-row), the W_UK absorption and the rope part in Triton; DSA's indexer query as one torch
-matmul; tactic ``norm_inside`` 1, not for DSA: the RMSNorm is q_b's input norm instead, so
-at one row the GEMV normalizes while it streams and the norm launch is gone) and
+and two rows), the W_UK absorption and the rope part in Triton; DSA's indexer query as one
+torch matmul; tactic ``norm_inside`` 1, not for DSA: the RMSNorm is q_b's input norm
+instead, so at one and two rows the GEMV normalizes while it streams and the norm launch is
+gone) and
 ``mla_value`` (W_UV and the output gate in one Triton kernel).
 
 ``dsa_core`` (``triton_sparse``): the latent and indexer-key cache writes, the indexer's

@@ -460,25 +460,21 @@ def sm90_projection() -> None:
         print(f"{c.name} {n}x{k} with an input norm: {c.regs} regs, {c.spills} B spilled")
         assert c.spills == 0 and c.regs <= 128, f"{n}x{k} input norm: {c.regs} regs"
         assert c.loads_before_wait(), f"{n}x{k} input norm: no weight load before the wait"
-    # routed_expert_up summing k3-rank-tp8's two expert slots while it streams, with its norm
-    gemm = SplitKGemm(_meta(1, 2, 3584, dtype=torch.float32), _meta(7168, 3584),
-                      _meta(1, 7168), SplitKTactic(32, 1, 1, 2, 0, 8),
-                      norm=InputNorm(_meta(3584), 1e-5, torch.bfloat16), combine=torch.bfloat16)
-    gemm.pdl = True
-    (c,) = sm90_compiles(gemm)
-    print(f"{c.name} 7168x3584 with an input combine and norm: {c.regs} regs, {c.spills} B")
-    assert c.name == "_gemv_kernel" and c.spills == 0 and c.regs <= 128, c.regs
-    assert c.loads_before_wait(), "input combine: no weight load before the wait"
-    # the same at the H200 table's bin 2 (two rows a program)
-    gemm = SplitKGemm(_meta(2, 2, 3584, dtype=torch.float32), _meta(7168, 3584),
-                      _meta(2, 7168), SplitKTactic(32, 2, 1, 2, 0, 8),
-                      norm=InputNorm(_meta(3584), 1e-5, torch.bfloat16), combine=torch.bfloat16)
-    gemm.pdl = True
-    (c,) = sm90_compiles(gemm)
-    print(f"{c.name} 7168x3584, 2 rows, with an input combine and norm: {c.regs} regs")
-    assert c.name == "gemv_rows_kernel" and c.spills == 0 and c.regs <= 128, c.regs
-    assert c.loads_before_wait(), "2 rows, input combine: no weight load before the wait"
-    _assert_row_major_chunks(c.ttgir, "2 rows, input combine")
+    # routed_expert_up summing k3-rank-tp8's two expert slots while it streams, with its norm,
+    # at one row and at the H200 table's bin 2 (two rows a program)
+    for rows, kernel in ((1, "_gemv_kernel"), (2, "gemv_rows_kernel")):
+        gemm = SplitKGemm(_meta(rows, 2, 3584, dtype=torch.float32), _meta(7168, 3584),
+                          _meta(rows, 7168), SplitKTactic(32, rows, 1, 2, 0, 8),
+                          norm=InputNorm(_meta(3584), 1e-5, torch.bfloat16),
+                          combine=torch.bfloat16)
+        gemm.pdl = True
+        (c,) = sm90_compiles(gemm)
+        where = f"7168x3584, {rows} row(s), with an input combine and norm"
+        print(f"{c.name} {where}: {c.regs} regs, {c.spills} B")
+        assert c.name == kernel and c.spills == 0 and c.regs <= 128, f"{where}: {c.regs}"
+        assert c.loads_before_wait(), f"{where}: no weight load before the wait"
+        if rows > 1:
+            _assert_row_major_chunks(c.ttgir, where)
 
 
 def _assert_row_major_chunks(ttgir: str, where: str) -> None:
@@ -670,8 +666,8 @@ def test_candidate_tactics_keep_two_k_tiles_a_split() -> None:
         for k in (1536, 3584, 7168):
             for m_tile, n_tile, split, *_ in candidate_tactics(rows, k):
                 assert split == 1 or k // split >= 2 * (16384 // (2 * m_tile)), (k, split)
-                gemv = n_tile <= 4 and rows <= 4 and n_tile == 1 << (rows - 1).bit_length()
-                assert 8 <= n_tile <= 64 or gemv, (rows, n_tile)
+                assert 8 <= n_tile <= 64 or n_tile == {1: 1, 2: 2, 3: 4, 4: 4}.get(rows), \
+                    (rows, n_tile)
 
 
 # ----------------------------------------------------------------------------- GPU tests

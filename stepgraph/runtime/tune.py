@@ -28,7 +28,7 @@ import yaml
 
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
-from stepgraph.runtime.kernels.launch_utils import GEMV_GROUP_ROWS, tile_width
+from stepgraph.runtime.kernels.launch_utils import GEMV_GROUP_ROWS, next_pow2, tile_width
 from stepgraph.tactics import write_table_file
 
 PROJECTION_OPS = ("projection", "o_proj", "lm_head")
@@ -92,7 +92,7 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
     or 3 chunks in flight (2 when ``quick``), 4 or 8 warps (8 when ``quick``), as
     ``[m_tile, n_tile, split, chunks, 0, warps]``. Launches timed alone back to back favour 3
     chunks; inside the step 2 measured faster (docs/perf.md): check a table in the step."""
-    n_tile = max(8, min(64, 1 << max(0, (rows - 1).bit_length())))
+    n_tile = max(8, min(64, next_pow2(rows)))
     out: list[tuple[int, ...]] = []
     for m_tile in ((64, 128) if quick else (32, 64, 128)):
         for split in ((1, 2, 4) if quick else (1, 2, 4, 8)):
@@ -101,7 +101,7 @@ def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int,
             for stages in ((4,) if quick else (4, 6)):
                 out.append((m_tile, n_tile, split, stages))
     if rows <= GEMV_GROUP_ROWS:
-        gemv_rows = 1 << max(0, (rows - 1).bit_length())  # the kernel's row groups: 1, 2, 4
+        gemv_rows = next_pow2(rows)  # the kernels' row groups: 1, 2, 4
         for m_tile in ((8, 16) if quick else (4, 8, 16, 32)):
             for split in (1, 2, 4):
                 if split > 1 and k // split < 2 * tile_width(m_tile):

@@ -44,3 +44,20 @@ def k_range(pid_s, blocks_per_split, K, BLOCK: tl.constexpr):
     if k_hi > K:
         k_hi = K
     return k_lo, k_hi, tl.cdiv(k_hi - k_lo, BLOCK)
+
+
+@triton.jit
+def next_chunks(w0, w1, w2, w_new, DEPTH: tl.constexpr):
+    """The weight chunks in flight once ``w0`` is multiplied and ``w_new`` (chunk ``i + DEPTH
+    - 1``) issued, ``w0`` the next to multiply (``w1``, ``w2``: the later chunks in flight at
+    ``DEPTH`` 3 and 4, else unused)."""
+    if DEPTH == 2:
+        w0 = w_new
+    elif DEPTH == 3:
+        w0 = w1
+        w1 = w_new
+    else:
+        w0 = w1
+        w1 = w2
+        w2 = w_new
+    return w0, w1, w2

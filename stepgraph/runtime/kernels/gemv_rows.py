@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from stepgraph.runtime.kernels.gemm_tiles import k_range, store_tile
+from stepgraph.runtime.kernels.gemm_tiles import k_range, next_chunks, store_tile
 
 VEC = tl.constexpr(8)  # BF16 values of one 16-byte load
 
@@ -96,6 +96,8 @@ def gemv_rows_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     w_base = w_ptr + offs_w[None, :, None] * stride_wn
 
     w0 = _weight_chunk3(w_base, 0, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+    w1 = w0  # w1, w2: the later chunks in flight at DEPTH 3 and 4 (else unused)
+    w2 = w0
     if DEPTH >= 3:
         w1 = _weight_chunk3(w_base, 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
     if DEPTH >= 4:
@@ -154,15 +156,7 @@ def gemv_rows_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
             xd = xd_new
         if NORM:
             g = g_new
-        if DEPTH == 2:
-            w0 = w_new
-        elif DEPTH == 3:
-            w0 = w1
-            w1 = w_new
-        else:
-            w0 = w1
-            w1 = w2
-            w2 = w_new
+        w0, w1, w2 = next_chunks(w0, w1, w2, w_new, DEPTH)
     offs_r = r0 + tl.arange(0, ROWS)
     which = tl.arange(0, ROWS)[None, :]
     part = tl.where(which == 0, tl.sum(acc_a, axis=0)[:, None], 0.0)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from stepgraph.errors import UserError
 from stepgraph.runtime.kernels.elementwise import Add, RmsNorm
-from stepgraph.runtime.kernels.gemm_tiles import k_range, store_tile
+from stepgraph.runtime.kernels.gemm_tiles import k_range, next_chunks, store_tile
 from stepgraph.runtime.kernels.gemv_rows import gemv_rows_kernel
 from stepgraph.runtime.kernels.launch_utils import (
     GEMV_GROUP_ROWS,
@@ -183,6 +183,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
     x_base = x_ptr + row * stride_xr
 
     w0 = weight_chunk(w_base, 0, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
+    w1 = w0  # w1, w2: the later chunks in flight at DEPTH 3 and 4 (else unused)
+    w2 = w0
     if DEPTH >= 3:
         w1 = weight_chunk(w_base, 1, k_lo, k_hi, offs_k, w_rows, stride_wk, CHUNK_K)
     if DEPTH >= 4:
@@ -209,15 +211,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, sem_ptr,
             g0 = g_new
         acc += w0.to(tl.float32) * xf[None, :]
         x0 = x_new
-        if DEPTH == 2:
-            w0 = w_new
-        elif DEPTH == 3:
-            w0 = w1
-            w1 = w_new
-        else:
-            w0 = w1
-            w1 = w2
-            w2 = w_new
+        w0, w1, w2 = next_chunks(w0, w1, w2, w_new, DEPTH)
     offs_r = row + tl.arange(0, 1)
     part = tl.sum(acc, axis=1)[:, None]
     if NORM:

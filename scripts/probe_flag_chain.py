@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from stepgraph.runtime.kernels.sync import gpu_fence
+from stepgraph.runtime.kernels.sync import arrive
 from stepgraph.runtime.tune import captured_graph, replay_median_us
 
 
@@ -53,10 +53,9 @@ def _hand_over(wait_ptr, PRODUCERS: tl.constexpr, FLAG: tl.constexpr):
 
 @triton.jit
 def _signal(sig_ptr, anchor, FLAG: tl.constexpr):
+    """A link's program counts itself in on its successor's counter after its last store."""
     if FLAG:
-        gpu_fence(anchor)
-        tl.debug_barrier()
-        tl.atomic_add(sig_ptr, 1, sem="release", scope="gpu")
+        arrive(sig_ptr, anchor, True)
 
 
 @triton.jit

@@ -6,7 +6,7 @@ Every launch of the step's chain waits on its predecessor's whole grid with the 
 here: each launch still starts early under PDL (launched when its predecessor's programs have
 triggered), but instead of the wait its programs spin on a counter the predecessor's programs
 add to after their last store (release; the spin's load is acquire), and the last of them to
-get past leaves the counter at zero for the next replay. Both forms run the same work, a
+get past leaves the counter at zero for the next replay. Every form runs the same work, a
 chain of ``--links`` launches, as one captured CUDA graph:
 
 - ``row``: one program a launch (the AttnRes step's shape): a 7168-wide row, its RMS norm;
@@ -14,8 +14,10 @@ chain of ``--links`` launches, as one captured CUDA graph:
   times the last launch's output, ``rows`` matrix rows a program, the first chunk of the
   program's weights loaded before the wait (as the step's GEMVs do).
 
-Prints the replay time of each form and what one boundary costs (replay / links), and
-checks that both forms computed the same output.
+The flag forms differ in how they poll and signal (``FORMS``, ``_hand_over``); ``no-wait``
+runs the links with no hand-over at all, the bound of what any hand-over can save. Prints the
+replay time of each form and what one boundary costs (replay / links), and checks that each
+form computed the same output as the PDL form.
 
 Usage (GPU machine): python3 scripts/probe_flag_chain.py [--links 120] [--replays 30]
 [--cases 0,1] [--forms pdl,flag-t0,...]; ``--case N`` runs one case in this process.
@@ -230,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--links", type=int, default=120)
     parser.add_argument("--replays", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--case", type=int, default=None,
+    parser.add_argument("--case", type=int, default=None, choices=range(len(CASES)),
                         help="run only this case (an index into CASES) in this process")
     parser.add_argument("--cases", default="0,1",
                         help="cases run by default, indices into CASES (the 2048 and 4096 "

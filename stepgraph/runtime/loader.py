@@ -65,22 +65,28 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
+def device_target(device: torch.device) -> str | None:
+    """The compile target whose artifacts run on ``device``: ``cpu``, or the target whose GPU
+    name is in the device's name (``h200`` on an "NVIDIA H200"); None for a GPU that no target
+    names."""
+    if device.type == "cpu":
+        return "cpu"
+    found = torch.cuda.get_device_name(device).lower()
+    return next((target for target, name in GPU_NAMES.items() if name.lower() in found), None)
+
+
 def check_target(target: str, device: torch.device, allow_mismatch: bool = False) -> None:
     """Refuse running an artifact compiled for ``target`` on ``device`` unless they match
     (target ``cpu`` on the CPU, ``h200`` on an H200, ...) or ``allow_mismatch``."""
     if allow_mismatch:
         return
-    if device.type == "cpu":
-        found = "cpu"
-        ok = target == "cpu"
-    else:
-        found = torch.cuda.get_device_name(device)
-        wanted = GPU_NAMES.get(target)
-        ok = wanted is not None and wanted.lower() in found.lower()
-    if not ok:
-        raise UserError(f"the artifact was compiled for target {target} but the device is "
-                        f"{found}: recompile with --target matching the device, or load with "
-                        f"allow_target_mismatch=True")
+    own = device_target(device)
+    if own == target:
+        return
+    found = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
+    fix = f"recompile with --target {own}" if own else "recompile for a target of this device"
+    raise UserError(f"the artifact was compiled for target {target} but the device is "
+                    f"{found}: {fix}, or load with allow_target_mismatch=True")
 
 
 def check_world(graph: Graph, comm: Communicator | None) -> None:

@@ -1,5 +1,6 @@
-"""Shared fixtures: the repository's spec files, a runner for the CLI, and H200 tactic tables
-with the L2 prefetch forks turned on (the shipped H200 table turns them off)."""
+"""Shared fixtures: the repository's spec files, a runner for the CLI, the compile target of
+the GPU in hand, and H200 tactic tables with the L2 prefetch forks turned on (the shipped
+H200 table turns them off)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,19 @@ MODELS = ROOT / "models"
 def models() -> Path:
     """The folder of model specs."""
     return MODELS
+
+
+def card_target() -> str:
+    """The compile target of this machine's GPU (``h200``, ``h100``, ...), or skip the test
+    on a GPU that no target names."""
+    import torch
+
+    from stepgraph.runtime.loader import device_target
+
+    target = device_target(torch.device("cuda"))
+    if target is None:
+        pytest.skip(f"no compile target names this GPU ({torch.cuda.get_device_name()})")
+    return target
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

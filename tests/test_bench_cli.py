@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_cli
+from tests.conftest import card_target, run_cli
 
 TINY = "models/tiny_k3.yaml"
 
@@ -125,13 +125,8 @@ def test_a_spent_budget_skips_every_measurement(tiny: Path, tmp_path: Path) -> N
 def test_gpu_bench_of_tiny(tmp_path: Path) -> None:
     """Every mode of the protocol on the GPU (torch.compile included), tiny_k3 compiled for
     this GPU's target, one bin."""
-    from stepgraph.runtime.loader import device_target
-
-    target = device_target(torch.device("cuda"))
-    if target is None:
-        pytest.skip(f"no compile target names this GPU ({torch.cuda.get_device_name()})")
     tiny = tmp_path / "tiny.sgart"
-    result = run_cli("compile", TINY, "--target", target, "-o", str(tiny))
+    result = run_cli("compile", TINY, "--target", card_target(), "-o", str(tiny))
     assert result.returncode == 0, result.stderr
     stdout, data = _run_bench(tiny, tmp_path, "cuda", "eager,compile,stepgraph,loop,nopdl", "4")
     _check_report(stdout, data, ("eager", "torch_compile", "stepgraph", "stepgraph_loop",

@@ -388,6 +388,24 @@ def test_an_artifact_for_another_target_is_refused() -> None:
     check_target("b200", torch.device("cpu"), allow_mismatch=True)
 
 
+def test_a_gpu_refusal_names_the_cards_target(monkeypatch) -> None:
+    """On a GPU (its name patched in: the check reads only the name) the refusal names the
+    --target of the card, or says that no target names it."""
+    from stepgraph.runtime.loader import device_target
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert device_target(cuda) == "h100"
+    check_target("h100", cuda)
+    with pytest.raises(UserError, match=r"compiled for target h200 but the device is NVIDIA "
+                                        r"H100 80GB HBM3: recompile with --target h100, or"):
+        check_target("h200", cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4")
+    assert device_target(cuda) is None
+    with pytest.raises(UserError, match="recompile for a target of this device"):
+        check_target("h200", cuda)
+
+
 def test_a_multi_rank_artifact_is_refused() -> None:
     graph = compiled("tiny_k3", tp=2)
     with pytest.raises(UserError, match=r"runs on 2 ranks: start one process a GPU .*--nproc 2"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import MODELS, run_cli
+from conftest import MODELS, card_target, run_cli
 
 from stepgraph.artifact import load_artifact
 from stepgraph.bench.ab import Compared
@@ -216,10 +216,8 @@ def test_the_ab_core_checks_and_times_every_step_on_the_cpu(tmp_path: Path) -> N
 def test_tune_step_on_gpu(tmp_path: Path) -> None:
     """`stepgraph tune --step` on tiny_k3's MLA split tactic at one row writes a table that
     loads and records the measurement in the mla_core row."""
-    from stepgraph.runtime.loader import device_target
-
-    target = device_target(torch.device("cuda"))
-    if target is None or table_path(target).name == "default.yaml":
+    target = card_target()
+    if table_path(target).name == "default.yaml":
         pytest.skip(f"no tactic table of its own for this GPU ({torch.cuda.get_device_name()}):"
                     f" the default table has no MLA split rows to tune")
     artifact = tmp_path / "tiny.sgart"

@@ -247,7 +247,7 @@ def test_digest_is_the_files_sha256_and_changes_with_the_file(tmp_path: Path) ->
 
 def test_targets_without_tables_use_the_default_file() -> None:
     tables = load_tables("cpu")
-    assert tables.version == "default-2"
+    assert tables.version == yaml.safe_load((TABLES_DIR / "default.yaml").read_text())["version"]
     assert tables.path.endswith("default.yaml")
     assert tables.choose("projection", 8, 6288, 7168, 8).provider == "torch"
     assert tables.step_cap(["kda", "mla"]) is None
@@ -301,3 +301,25 @@ def test_explain_unknown_node_suggests_close_names() -> None:
         explain(graph, "l4.kda_cor")
     with pytest.raises(UserError, match="no node named 'zzz'"):
         explain(graph, "zzz")
+
+
+@pytest.mark.parametrize("path", sorted(TABLES_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_table_file_validates_and_bins_the_workloads(path: Path) -> None:
+    """A table file whose rows break validation or the bin pass would only show when someone
+    compiles for its target."""
+    target = yaml.safe_load(path.read_text())["target"]
+    tables = load_tables("cpu" if target == "default" else target, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    for name in ("tiny_k3.yaml", "k3_rank_tp8.yaml", "k3_slice_tp1.yaml"):
+        graph = _binned(name, tables, batches=(1, 2, 8, 64))
+        assert graph.meta["tactics"]["digest"] == digest, name
+        assert all(set(per) == {"1", "2", "8", "64"} for per in graph.meta["decisions"].values())
+
+
+def test_h100_compiles_to_its_own_table_not_the_portable_path() -> None:
+    tables = load_tables("h100")
+    assert Path(tables.path).name == "h100.yaml"
+    graph = _binned("k3_rank_tp8.yaml", tables, target="h100", batches=(1, 2))
+    one_row = {node: per["1"]["provider"] for node, per in graph.meta["decisions"].items()}
+    assert "torch" not in one_row.values(), one_row
+    assert {"splitk", "triton", "triton_splitkv", "triton_fused_moe"} <= set(one_row.values())

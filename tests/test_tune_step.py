@@ -26,6 +26,7 @@ from stepgraph.runtime.tune_step import (
     check_settings,
     parse_settings,
     recorded,
+    summary,
     variant,
 )
 from stepgraph.tactics import load_tables, table_path
@@ -123,6 +124,18 @@ def test_the_written_table_keeps_the_fastest_usable_candidate(tmp_path: Path) ->
     decisions = compiled_with(out, tmp_path, "1,8").meta["decisions"]["l2.core"]
     assert decisions["1"]["tactic"]["split"] == 96, decisions
     assert "split" not in decisions["8"]["tactic"], decisions
+
+
+def test_the_summary_marks_the_kept_and_explains_a_refusal() -> None:
+    base, slower, flipped = (), (("mla_core", "split", 64),), (("mla_core", "split", 96),)
+    ok = {1: [Timed(base, Compared(0.0, [10.0])), Timed(slower, Compared(0.01, [11.0]))]}
+    lines = summary(ok).splitlines()
+    assert lines[1].endswith("the table's own  <- kept") and lines[2].endswith("split=64")
+    assert "refused" not in summary(ok)
+    refused = {1: [*ok[1], Timed(flipped, Compared(0.44, [9.0]))]}
+    text = summary(refused)
+    assert "mla_core.split=96  (refused)" in text and "the table's own  <- kept" in text
+    assert "routing" in text.splitlines()[-1] and "stepgraph bench" in text.splitlines()[-1]
 
 
 def test_the_base_candidate_wins_when_nothing_is_faster() -> None:

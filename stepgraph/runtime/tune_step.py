@@ -46,6 +46,11 @@ if TYPE_CHECKING:
     from stepgraph.bench.ab import Compared
 
 REJECT_ERROR = 5e-2  # a candidate whose logits are farther from the base's is refused
+REFUSED_NOTE = (
+    f"(refused: logits NaN or farther than {REJECT_ERROR:.0e} from the table's own step's. A "
+    "wrong kernel, or a near-tie in the MoE routing broken the other way, which moves the "
+    "logits as much; to tell them apart, compile that candidate and run stepgraph bench, "
+    "whose check against float32 counts the routing choices that differ)")
 MAX_CANDIDATES = 16  # a bin's candidates are all loaded at once (weights shared, caches not)
 
 
@@ -289,4 +294,6 @@ def summary(results: dict[int, list[Timed]]) -> str:
             mark = "  <- kept" if t is best else ("" if t.usable else "  (refused)")
             lines.append(f"{rows:>4}  {t.us:>8.1f}  {rounds:<26} {t.error:>8.1e}  "
                          f"{t.label}{mark}")
+    if any(not t.usable for timed in results.values() for t in timed):
+        lines.append(REFUSED_NOTE)
     return "\n".join(lines)

@@ -1,5 +1,7 @@
 """One benchmark run of one artifact on one GPU, in one process (shared/BENCHMARKS.md):
 
+0. refused before anything is allocated where the artifact was compiled for another GPU (if
+   a mode runs it) or its weights and caches cannot fit the GPU's free memory;
 1. the copy bandwidth (a large device-to-device copy, bytes read + written);
 2. random weights on the GPU, shared by every mode; the compiled step loaded from the
    artifact (one CUDA graph per bin) and its caches filled with random values;
@@ -23,7 +25,6 @@ mode's times in the table.
 from __future__ import annotations
 
 import gc
-import math
 import shlex
 import subprocess
 import sys
@@ -69,8 +70,10 @@ from stepgraph.ir.graph import Graph
 from stepgraph.lower.caches import allocate_caches
 from stepgraph.lower.reference import ReferenceExecutor
 from stepgraph.memory.arena import bin_rows
+from stepgraph.runtime.memory_check import CacheExtent, cache_extent, check_fits, step_memory
 
 CHECK_HEADROOM = 64  # tokens of cache beyond the context, for the check's later steps
+BLOCK_SIZE = 64  # tokens a cache block (the runtime's default)
 
 
 @dataclass
@@ -142,6 +145,8 @@ class Session:
         if missing:
             raise UserError(f"--batches {missing} are not bins of this artifact (its bins: "
                             f"{', '.join(map(str, bins))})")
+        if self.device.type == "cuda":
+            self.check_device(str(deployment.get("target", "default")))
         self.results = {rows: BinResult(rows=rows, floor_bytes=0.0, floor_us=0.0)
                         for rows in self.bins}
         self.report = BenchReport(
@@ -156,6 +161,17 @@ class Session:
             input_sets=options.sets,
         )
         self.weights: dict[str, torch.Tensor] = {}
+
+    def check_device(self, target: str) -> None:
+        """Refuse, before any weight is drawn, an artifact compiled for another GPU (when a
+        mode runs it) and a run whose weights and caches cannot fit the GPU's free memory."""
+        from stepgraph.runtime.loader import check_target
+
+        if {*ARTIFACT_MODES, "stepgraph_nopdl"} & set(self.options.modes):
+            check_target(target, self.device)
+        check_fits(step_memory(self.graph, torch.bfloat16, self.extent()), self.device,
+                   "bench fewer or smaller --batches, fewer --sets or a shorter --context, or "
+                   "a step that holds less a GPU (compile with a higher --tp or --dep)")
 
     # ------------------------------------------------------------------ the run
 
@@ -209,7 +225,7 @@ class Session:
         try:
             compiled = load(graph, weights=self.weights, device=self.device,
                             dtype="bfloat16", seed=opts.seed, max_requests=self.requests,
-                            max_context=opts.context + CHECK_HEADROOM,
+                            max_context=opts.context + CHECK_HEADROOM, block_size=BLOCK_SIZE,
                             progress=opts.progress,
                             allow_target_mismatch=self.device.type == "cpu")
         except Exception as error:
@@ -229,20 +245,24 @@ class Session:
         """Requests the caches hold: every input set of the largest bin."""
         return self.options.sets * max(self.bins) // self.q
 
+    def extent(self) -> CacheExtent:
+        """The caches' geometry: :attr:`requests` requests, the context and the check's
+        later steps each, the runtime's block size."""
+        return cache_extent(self.requests, self.q, self.options.context + CHECK_HEADROOM,
+                            BLOCK_SIZE)
+
     def layout(self, compiled: Any) -> Layout:
         """Where the inputs point: the compiled step's caches, or (it did not load) caches
         sized the way the runtime sizes them, for the eager modes."""
         if compiled is not None:
             lim = compiled.limits
             return Layout(compiled.caches, lim.block_size, lim.width, lim.vocab)
-        block_size = 64
-        width = math.ceil((self.options.context + CHECK_HEADROOM) / block_size)
-        caches = allocate_caches(self.graph, self.requests * self.q + 1,
-                                 self.requests * width + 1, block_size, self.device,
-                                 torch.bfloat16)
+        extent = self.extent()
+        caches = allocate_caches(self.graph, extent.slots + 1, extent.blocks + 1, BLOCK_SIZE,
+                                 self.device, torch.bfloat16)
         fill_caches(caches, self.options.seed)
         vocab = int(self.graph.values["embed_tokens"].type.shape[0])
-        return Layout(caches, block_size, width, vocab)
+        return Layout(caches, BLOCK_SIZE, extent.width, vocab)
 
     def feeds(self, layout: Layout, rows: int) -> list[Feed]:
         """The input sets of bin ``rows`` for caches laid out as ``layout``."""

@@ -1,13 +1,12 @@
 """``load``: an artifact -> a :class:`~stepgraph.runtime.step.CompiledStep` on a device.
 
-Checks the artifact against the device (target, ranks), allocates the arena and the
-caches, binds weights, inputs and outputs, prepares every node's launch for every bin, warms
-them, and captures one CUDA graph per bin in one shared memory pool.
+Checks the artifact against the device (target, ranks, free memory), allocates the arena
+and the caches, binds weights, inputs and outputs, prepares every node's launch for every
+bin, warms them, and captures one CUDA graph per bin in one shared memory pool.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,12 +34,15 @@ from stepgraph.runtime.capture import BinPlan, prepare_bin, warm
 from stepgraph.runtime.capture import capture as capture_bin
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.inputs import InputFiller, Limits
+from stepgraph.runtime.memory_check import cache_extent, check_fits, step_memory
 from stepgraph.runtime.progress import progress as progress_bar
 from stepgraph.runtime.providers import REGISTRY, load_providers
 from stepgraph.runtime.providers.registry import Registry
 from stepgraph.runtime.step import CompiledStep
 
 GPU_NAMES = {"h200": "H200", "h100": "H100", "b200": "B200"}
+LOAD_REMEDY = ("shard it over more GPUs (compile with a higher --tp or --dep), size the caches "
+               "smaller (max_requests, max_context) or use a GPU with more memory")
 
 
 def _graph_of(artifact: Artifact | Graph | str | Path) -> tuple[Graph, dict[str, Any] | None]:
@@ -231,8 +233,10 @@ def load(
     requests = max_requests if max_requests is not None else max(bins[-1] // q, 1)
     if requests < 1:
         raise UserError("max_requests must be at least 1")
-    width = math.ceil(max_context / block_size)
-    slots, blocks = requests * q, requests * width
+    extent = cache_extent(requests, q, max_context, block_size)
+    check_fits(step_memory(graph, compute, extent, weights=not isinstance(weights, Mapping)),
+               device, LOAD_REMEDY)
+    slots, blocks, width = extent.slots, extent.blocks, extent.width
     caches = allocate_caches(graph, slots + 1, blocks + 1, block_size, device, compute)
     fixed = bind_weights(graph, _weights(graph, weights, seed, compute, device, rank), compute,
                          device)

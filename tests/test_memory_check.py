@@ -5,13 +5,17 @@ CUDA queries patched in on a CPU machine; a GPU test runs the refusal inside ``l
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import MODELS  # noqa: E402
+from conftest import MODELS, run_cli  # noqa: E402
 
+from stepgraph.artifact import load_artifact  # noqa: E402
+from stepgraph.bench import session  # noqa: E402
+from stepgraph.bench.options import BenchOptions  # noqa: E402
 from stepgraph.compiler import compile_graph  # noqa: E402
 from stepgraph.errors import UserError  # noqa: E402
 from stepgraph.ir.graph import Graph  # noqa: E402
@@ -100,3 +104,30 @@ def test_load_refuses_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None
         load(graph, weights="random", device="cuda", progress=False,
              allow_target_mismatch=True)
     assert torch.cuda.memory_allocated() == before
+
+
+def test_the_bench_refuses_before_drawing_weights(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    """On a (patched) H100 the bench refuses an h200 artifact with the --target to use and
+    no Python-API escape, and an h100 artifact whose step cannot fit the free memory; no
+    weight is drawn first."""
+
+    def drawn(*args, **kwargs):
+        raise AssertionError("weights drawn before the refusal")
+
+    monkeypatch.setattr(session, "bench_device", lambda name="cuda": torch.device("cuda", 0))
+    monkeypatch.setattr(session, "device_random_weights", drawn)
+    monkeypatch.setattr(session, "copy_bandwidth", drawn)
+    patch_gpu(monkeypatch, free=79 * GIB)
+    options = BenchOptions(batches=(1,), modes=("stepgraph",))
+    for target in ("h200", "h100"):
+        path = tmp_path / f"{target}.sgart"
+        assert run_cli("compile", str(MODELS / "tiny_k3.yaml"), "--target", target,
+                       "-o", str(path)).returncode == 0
+    with pytest.raises(UserError) as error:
+        session.run_bench(load_artifact(tmp_path / "h200.sgart"), "h200.sgart", options)
+    assert str(error.value).endswith("NVIDIA H100 80GB HBM3: recompile with --target h100")
+    session.Session(load_artifact(tmp_path / "h100.sgart"), "h100.sgart", options)  # fits
+    patch_gpu(monkeypatch, free=1 << 20)
+    with pytest.raises(UserError, match=r"needs at least .*; bench fewer or smaller --batches"):
+        session.run_bench(load_artifact(tmp_path / "h100.sgart"), "h100.sgart", options)

@@ -168,7 +168,7 @@ class Session:
         from stepgraph.runtime.loader import check_target
 
         if {*ARTIFACT_MODES, "stepgraph_nopdl"} & set(self.options.modes):
-            check_target(target, self.device)
+            check_target(target, self.device, escape=None)
         check_fits(step_memory(self.graph, torch.bfloat16, self.extent()), self.device,
                    "bench fewer or smaller --batches, fewer --sets or a shorter --context, or "
                    "a step that holds less a GPU (compile with a higher --tp or --dep)")

@@ -77,9 +77,11 @@ def device_target(device: torch.device) -> str | None:
     return next((target for target, name in GPU_NAMES.items() if name.lower() in found), None)
 
 
-def check_target(target: str, device: torch.device, allow_mismatch: bool = False) -> None:
+def check_target(target: str, device: torch.device, allow_mismatch: bool = False,
+                 escape: str | None = "load with allow_target_mismatch=True") -> None:
     """Refuse running an artifact compiled for ``target`` on ``device`` unless they match
-    (target ``cpu`` on the CPU, ``h200`` on an H200, ...) or ``allow_mismatch``."""
+    (target ``cpu`` on the CPU, ``h200`` on an H200, ...) or ``allow_mismatch``; the refusal
+    names the ``--target`` to recompile with and, where the caller has one, the ``escape``."""
     if allow_mismatch:
         return
     own = device_target(device)
@@ -88,7 +90,7 @@ def check_target(target: str, device: torch.device, allow_mismatch: bool = False
     found = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
     fix = f"recompile with --target {own}" if own else "recompile for a target of this device"
     raise UserError(f"the artifact was compiled for target {target} but the device is "
-                    f"{found}: {fix}, or load with allow_target_mismatch=True")
+                    f"{found}: {fix}" + (f", or {escape}" if escape else ""))
 
 
 def check_world(graph: Graph, comm: Communicator | None) -> None:

@@ -19,7 +19,7 @@ import torch
 from stepgraph.commands.views import human_bytes
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
-from stepgraph.ir.types import Storage, eval_dim
+from stepgraph.ir.types import Storage
 from stepgraph.lower.tensors import storage_dtype
 from stepgraph.runtime.binding import arena_scale
 
@@ -74,8 +74,8 @@ def step_memory(graph: Graph, compute: torch.dtype, extent: CacheExtent,
     symbols = {"S": extent.slots + 1, "NB": extent.blocks + 1, "BS": extent.block_size}
     cache_bytes = 0
     for value in graph.values_of(Storage.STATE):
-        numel = math.prod(eval_dim(dim, 1, symbols) for dim in value.type.shape)
-        cache_bytes += numel * storage_dtype(value.type.dtype, compute).itemsize
+        held = storage_dtype(value.type.dtype, compute)
+        cache_bytes += value.type.numel(1, symbols) * held.itemsize
     arena = int(graph.meta.get("memory", {}).get("arena_bytes", 0)) * arena_scale(graph, compute)
     return StepMemory(weight_bytes, cache_bytes, arena)
 

@@ -70,10 +70,10 @@ from stepgraph.ir.graph import Graph
 from stepgraph.lower.caches import allocate_caches
 from stepgraph.lower.reference import ReferenceExecutor
 from stepgraph.memory.arena import bin_rows
+from stepgraph.runtime.loader import BLOCK_SIZE, check_target
 from stepgraph.runtime.memory_check import CacheExtent, cache_extent, check_fits, step_memory
 
 CHECK_HEADROOM = 64  # tokens of cache beyond the context, for the check's later steps
-BLOCK_SIZE = 64  # tokens a cache block (the runtime's default)
 
 
 @dataclass
@@ -165,7 +165,6 @@ class Session:
     def check_device(self, target: str) -> None:
         """Refuse, before any weight is drawn, an artifact compiled for another GPU (when a
         mode runs it) and a run whose weights and caches cannot fit the GPU's free memory."""
-        from stepgraph.runtime.loader import check_target
 
         if {*ARTIFACT_MODES, "stepgraph_nopdl"} & set(self.options.modes):
             check_target(target, self.device, escape=None)
@@ -258,7 +257,7 @@ class Session:
             lim = compiled.limits
             return Layout(compiled.caches, lim.block_size, lim.width, lim.vocab)
         extent = self.extent()
-        caches = allocate_caches(self.graph, extent.slots + 1, extent.blocks + 1, BLOCK_SIZE,
+        caches = allocate_caches(self.graph, extent.held_slots, extent.held_blocks, BLOCK_SIZE,
                                  self.device, torch.bfloat16)
         fill_caches(caches, self.options.seed)
         vocab = int(self.graph.values["embed_tokens"].type.shape[0])

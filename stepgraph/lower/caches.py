@@ -17,6 +17,18 @@ from stepgraph.lower.tensors import storage_dtype
 Caches = dict[str, torch.Tensor]
 
 
+def cache_layout(
+    graph: Graph, slots: int, blocks: int, block_size: int, dtype: torch.dtype = torch.float32
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each state value's tensor: ``S`` = ``slots``, ``NB`` =
+    ``blocks``, ``BS`` = ``block_size``; activation-dtype states are held in ``dtype``,
+    float32 states (KDA recurrent state) stay float32."""
+    symbols = {"S": slots, "NB": blocks, "BS": block_size}
+    return {value.name: (tuple(eval_dim(dim, 1, symbols) for dim in value.type.shape),
+                         storage_dtype(value.type.dtype, dtype))
+            for value in graph.values_of(Storage.STATE)}
+
+
 def allocate_caches(
     graph: Graph,
     slots: int,
@@ -25,17 +37,11 @@ def allocate_caches(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> Caches:
-    """Zeroed tensors for every state value of ``graph``: ``S`` = ``slots``, ``NB`` =
-    ``blocks``, ``BS`` = ``block_size``; activation-dtype states are held in ``dtype``,
-    float32 states (KDA recurrent state) stay float32."""
-    symbols = {"S": slots, "NB": blocks, "BS": block_size}
-    caches: Caches = {}
-    for value in graph.values_of(Storage.STATE):
-        shape = tuple(eval_dim(dim, 1, symbols) for dim in value.type.shape)
-        caches[value.name] = torch.zeros(
-            shape, dtype=storage_dtype(value.type.dtype, dtype), device=device
-        )
-    return caches
+    """Zeroed tensors for every state value of ``graph``, laid out as :func:`cache_layout`
+    says."""
+    return {name: torch.zeros(shape, dtype=held, device=device)
+            for name, (shape, held) in cache_layout(graph, slots, blocks, block_size,
+                                                     dtype).items()}
 
 
 def reset_slots(graph: Graph, caches: Caches, slots: list[int]) -> None:

@@ -41,6 +41,7 @@ from stepgraph.runtime.providers.registry import Registry
 from stepgraph.runtime.step import CompiledStep
 
 GPU_NAMES = {"h200": "H200", "h100": "H100", "b200": "B200"}
+BLOCK_SIZE = 64  # tokens a cache block, unless the caller says otherwise
 LOAD_REMEDY = ("shard it over more GPUs (compile with a higher --tp or --dep), size the caches "
                "smaller (max_requests, max_context) or use a GPU with more memory")
 
@@ -180,7 +181,7 @@ def load(
     seed: int = 0,
     max_requests: int | None = None,
     max_context: int = 4096,
-    block_size: int = 64,
+    block_size: int = BLOCK_SIZE,
     capture: bool = True,
     pdl: bool = True,
     progress: bool = True,
@@ -239,7 +240,8 @@ def load(
     check_fits(step_memory(graph, compute, extent, weights=not isinstance(weights, Mapping)),
                device, LOAD_REMEDY)
     slots, blocks, width = extent.slots, extent.blocks, extent.width
-    caches = allocate_caches(graph, slots + 1, blocks + 1, block_size, device, compute)
+    caches = allocate_caches(graph, extent.held_slots, extent.held_blocks, block_size, device,
+                             compute)
     fixed = bind_weights(graph, _weights(graph, weights, seed, compute, device, rank), compute,
                          device)
     fixed.update(caches)

@@ -20,6 +20,7 @@ from stepgraph.commands.views import human_bytes
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.types import Storage
+from stepgraph.lower.caches import cache_layout
 from stepgraph.lower.tensors import storage_dtype
 from stepgraph.runtime.binding import arena_scale
 
@@ -34,6 +35,16 @@ class CacheExtent:
     blocks: int
     block_size: int
     width: int
+
+    @property
+    def held_slots(self) -> int:
+        """State slots the caches hold: the requests' and the scratch slot."""
+        return self.slots + 1
+
+    @property
+    def held_blocks(self) -> int:
+        """Cache blocks the caches hold: the requests' and the scratch block."""
+        return self.blocks + 1
 
 
 def cache_extent(requests: int, q: int, max_context: int, block_size: int) -> CacheExtent:
@@ -71,11 +82,9 @@ def step_memory(graph: Graph, compute: torch.dtype, extent: CacheExtent,
         for value in graph.values_of(Storage.WEIGHT):
             held = storage_dtype(value.type.dtype, compute)
             weight_bytes += value.type.numel(1) * held.itemsize
-    symbols = {"S": extent.slots + 1, "NB": extent.blocks + 1, "BS": extent.block_size}
-    cache_bytes = 0
-    for value in graph.values_of(Storage.STATE):
-        held = storage_dtype(value.type.dtype, compute)
-        cache_bytes += value.type.numel(1, symbols) * held.itemsize
+    layout = cache_layout(graph, extent.held_slots, extent.held_blocks, extent.block_size,
+                          compute)
+    cache_bytes = sum(math.prod(shape) * held.itemsize for shape, held in layout.values())
     arena = int(graph.meta.get("memory", {}).get("arena_bytes", 0)) * arena_scale(graph, compute)
     return StepMemory(weight_bytes, cache_bytes, arena)
 

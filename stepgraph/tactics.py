@@ -11,7 +11,7 @@ use the NEXT tabled bin at or above them, and the largest bin past the end.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -201,6 +201,12 @@ class TableFile(_Strict):
 # ----------------------------------------------------------------------------- lookups
 
 
+def row_matches(match: Mapping[str, int | bool], facts: Mapping[str, int | bool]) -> bool:
+    """Whether a table row's ``match`` holds for a lookup's ``facts`` (every key it names
+    equal; a key it leaves out matches anything)."""
+    return all(facts.get(key) == value for key, value in match.items())
+
+
 def next_bin(rows: int, bins: Iterable[int]) -> int:
     """The seeds' rule: the smallest tabled bin holding ``rows``, else the largest bin."""
     ordered = sorted(bins)
@@ -321,7 +327,7 @@ class TacticTables:
         shape = (f"n={n} k={k} tp={tp}" + (f" q={q}" if q > 1 else "")
                  + (f" top_k={top_k}" if top_k is not None else ""))
         for index, row in enumerate(table.rows):
-            if all(facts.get(key) == value for key, value in row.match.items()):
+            if row_matches(row.match, facts):
                 tabled = next_bin(rows, row.bins)
                 value = row.bins[tabled]
                 where = f"{entry.table}#{index}"

@@ -170,3 +170,30 @@ def test_a_section_key_is_typed_by_the_schema() -> None:
     for key, value in (("side_ops", 1), ("source", 1), ("nothing", 0), ("root_fork", 2)):
         with pytest.raises(VariantError):
             set_section_key(data, "streams", key, value)
+
+
+def test_a_tune_at_some_bins_keeps_the_base_rows_other_bins(tmp_path: Path) -> None:
+    """`stepgraph tune --bins 8,64` on the K3 rank's KDA projection (tp 1): bins 8 and 64
+    take the measured tactics, bins 1 and 2 keep the base file's one-row and two-row GEMV
+    forms for that shape (they were dropped once, so a later compile at one row read the
+    8-row MMA tactic), and the row's source says which bins came from where."""
+    from stepgraph.tactics import load_tables
+
+    shape = ProjShape(6288, 7168, "bfloat16")
+    results = [Measurement(shape, 8, 40.0, {(64, 8, 1, 4): 30.0}),
+               Measurement(shape, 64, 40.0, {(64, 64, 2, 4): 30.0})]
+    out = tmp_path / "tuned.yaml"
+    write_table(table_path("h100"), table_rows(results, 1, 1, "measured by a test"), out,
+                "TEST", "2026-12-06")
+    base, tuned = load_tables("h100"), load_tables("h100", path=out)
+    for rows in (1, 2):
+        kept = tuned.choose("projection", rows, 6288, 7168, tp=1)
+        assert kept.tactic == base.choose("projection", rows, 6288, 7168, tp=1).tactic
+        assert kept.tactic["k_tile"] == 0  # the GEMV form, not an MMA tile
+    assert tuned.choose("projection", 8, 6288, 7168, tp=1).tactic["split"] == 1
+    assert tuned.choose("projection", 64, 6288, 7168, tp=1).tactic["split"] == 2
+    source = tuned.choose("projection", 1, 6288, 7168, tp=1).reason
+    assert "measured by a test at bins 8, 64; bins 1, 2 as in h100.yaml" in source
+    rows = yaml.safe_load(out.read_text())["tactics"]["projection"]["rows"]
+    same = [r for r in rows if r["match"] == {"n": 6288, "k": 7168, "tp": 1}]
+    assert len(same) == 1 and sorted(same[0]["bins"]) == [1, 2, 8, 64]

@@ -29,7 +29,7 @@ import yaml
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.runtime.kernels.launch_utils import GEMV_GROUP_ROWS, next_pow2, tile_width
-from stepgraph.tactics import write_table_file
+from stepgraph.tactics import row_matches, write_table_file
 
 PROJECTION_OPS = ("projection", "o_proj", "lm_head")
 GATED_MLP_OPS = ("shared_expert", "dense_mlp")
@@ -210,18 +210,46 @@ def table_rows(results: Sequence[Measurement], tp: int, q: int, source: str,
     return list(rows.values())
 
 
+def _facts(match: dict[str, Any]) -> dict[str, Any]:
+    """The lookup facts of a measured row's shape (what ``TacticTables.choose`` compares)."""
+    facts = {"q": 1, **match}
+    facts["verify"] = facts["q"] > 1
+    return facts
+
+
+def _bins_text(bins: Iterable[int]) -> str:
+    return ", ".join(str(b) for b in sorted(bins))
+
+
+def merge_rows(base_rows: Sequence[dict[str, Any]], measured: Sequence[dict[str, Any]],
+               base_name: str) -> list[dict[str, Any]]:
+    """The projection rows of a tuned table: each measured row first (the first match wins),
+    holding the bins the base file gave that shape and were not measured (a ``--bins 8,64``
+    run keeps the base's one-row GEMV forms); base rows of the same match are dropped, every
+    other base row is kept after them."""
+    merged = []
+    for row in measured:
+        facts = _facts(row["match"])
+        base = next((r for r in base_rows if row_matches(r["match"], facts)), None)
+        kept = {b: v for b, v in (base or {}).get("bins", {}).items() if b not in row["bins"]}
+        if not kept:
+            merged.append(row)
+            continue
+        source = (f"{row['source']} at bins {_bins_text(row['bins'])}; bins "
+                  f"{_bins_text(kept)} as in {base_name}: {' '.join(base['source'].split())}")
+        merged.append({**row, "source": source, "bins": dict(sorted({**kept, **row["bins"]}
+                                                                   .items()))})
+    done = [row["match"] for row in measured]
+    return merged + [r for r in base_rows if r["match"] not in done]
+
+
 def write_table(base_path: Path, measured: list[dict[str, Any]], out: Path, label: str,
                 date: str) -> None:
-    """Write ``base_path``'s table with ``measured`` projection rows first (the first match
-    wins) and the base rows of other shapes kept after them."""
+    """Write ``base_path``'s table with the ``measured`` projection rows merged in
+    (:func:`merge_rows`)."""
     data = yaml.safe_load(base_path.read_text(encoding="utf-8"))
     table = data["tactics"]["projection"]
-    done = {(r["match"]["n"], r["match"]["k"], r["match"]["tp"], r["match"].get("q"))
-            for r in measured}
-    kept = [r for r in table.get("rows", [])
-            if (r["match"].get("n"), r["match"].get("k"), r["match"].get("tp"),
-                r["match"].get("q")) not in done]
-    table["rows"] = measured + kept
+    table["rows"] = merge_rows(table.get("rows", []), measured, base_path.name)
     base_version = data["version"]
     data["version"] = f"{base_version}+tune-{date}"
     data["description"] = (f"Projection rows of {len(measured)} shapes {label}; everything "

@@ -192,8 +192,14 @@ def test_a_tune_at_some_bins_keeps_the_base_rows_other_bins(tmp_path: Path) -> N
         assert kept.tactic["k_tile"] == 0  # the GEMV form, not an MMA tile
     assert tuned.choose("projection", 8, 6288, 7168, tp=1).tactic["split"] == 1
     assert tuned.choose("projection", 64, 6288, 7168, tp=1).tactic["split"] == 2
+    shape_match = {"n": 6288, "k": 7168, "tp": 1}
+    base_rows = yaml.safe_load(table_path("h100").read_text())["tactics"]["projection"]["rows"]
+    base_bins = next(r["bins"] for r in base_rows if r["match"] == shape_match)
+    others = sorted(set(base_bins) - {8, 64})
+    assert others[:2] == [1, 2]
     source = tuned.choose("projection", 1, 6288, 7168, tp=1).reason
-    assert "measured by a test at bins 8, 64; bins 1, 2 as in h100.yaml" in source
+    assert (f"measured by a test at bins 8, 64; bins {', '.join(map(str, others))} as in "
+            "h100.yaml") in source
     rows = yaml.safe_load(out.read_text())["tactics"]["projection"]["rows"]
-    same = [r for r in rows if r["match"] == {"n": 6288, "k": 7168, "tp": 1}]
-    assert len(same) == 1 and sorted(same[0]["bins"]) == [1, 2, 8, 64]
+    same = [r for r in rows if r["match"] == shape_match]
+    assert len(same) == 1 and sorted(same[0]["bins"]) == sorted(set(base_bins) | {8, 64})

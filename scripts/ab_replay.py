@@ -47,7 +47,10 @@ def main() -> int:
     for rows in rows_list:
         table[rows] = compare(steps, rows, args.context, args.rounds, args.replays)
         for path, result in zip(args.artifacts, table[rows], strict=True):
-            print(f"{path} B={rows}: logits vs the first artifact's {result.error:.1e}")
+            rerouted = (f" ({result.rerouted} of {result.rows} rows rerouted, left out)"
+                        if result.rerouted else "")
+            print(f"{path} B={rows}: logits vs the first artifact's {result.error:.1e}"
+                  f"{rerouted}")
     print("\nmedian step time (us) per round")
     for rows in rows_list:
         for path, result in zip(args.artifacts, table[rows], strict=True):

@@ -879,7 +879,11 @@ def test_tune_on_gpu(tmp_path: Path) -> None:
     from conftest import MODELS, run_cli
 
     artifact = tmp_path / "tiny.sgart"
-    result = run_cli("compile", str(MODELS / "tiny_k3.yaml"), "-o", str(artifact))
+    from conftest import card_target
+
+    target = card_target()
+    result = run_cli("compile", str(MODELS / "tiny_k3.yaml"), "--target", target, "-o",
+                     str(artifact))
     assert result.returncode == 0, result.stderr
     out = tmp_path / "measured.yaml"
     result = run_cli("tune", str(artifact), "--out", str(out), "--bins", "1,8", "--quick",
@@ -888,7 +892,7 @@ def test_tune_on_gpu(tmp_path: Path) -> None:
     print(result.stdout)
     from stepgraph.tactics import load_tables
 
-    tables = load_tables("h200", path=out)
+    tables = load_tables(target, path=out)
     rows = tables.data.tactics["projection"].rows
     assert any("by stepgraph tune" in row.source for row in rows), rows
 

@@ -388,6 +388,23 @@ def test_an_artifact_for_another_target_is_refused() -> None:
     check_target("b200", torch.device("cpu"), allow_mismatch=True)
 
 
+def test_stepgraph_run_refuses_another_targets_artifact_in_one_line(tmp_path) -> None:
+    """`stepgraph run` of an H200 artifact on the CPU: exit 2, one line naming the --target
+    to recompile with (no Python-API escape a command line cannot use), no logits file."""
+    from conftest import MODELS, run_cli
+
+    artifact, out = tmp_path / "tiny.sgart", tmp_path / "logits.npy"
+    assert run_cli("compile", str(MODELS / "tiny_k3.yaml"), "--target", "h200", "-o",
+                   str(artifact)).returncode == 0
+    result = run_cli("run", str(artifact), "--weights", "random", "--tokens", "1,2",
+                     "--device", "cpu", "--logits-out", str(out))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: the artifact was compiled for target h200 but the device is cpu: recompile "
+        "with --target cpu"]
+    assert not out.exists()
+
+
 def test_a_gpu_refusal_names_the_cards_target(monkeypatch) -> None:
     """On a GPU (its name patched in: the check reads only the name) the refusal names the
     --target of the card, or says that no target names it."""

@@ -10,6 +10,7 @@ tiny_k3.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -205,9 +206,37 @@ def test_the_step_mode_refuses_without_cuda(tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_both_tunings_refuse_an_artifact_for_another_card(tmp_path: Path, monkeypatch) -> None:
+    """On an H100 (the card's name patched in; the check reads only the name), an artifact
+    compiled for the H200 is refused by the projection tuning and by ``--step`` before
+    anything is measured or written: rows measured on one card do not belong in another
+    card's table. The refusal names the --target and no Python-API escape."""
+    import stepgraph.runtime.tune as tune_module
+    from stepgraph.runtime.tune_step import tune_step
+
+    monkeypatch.setattr(tune_module, "require_cuda", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name",
+                        lambda device=None: "NVIDIA H100 80GB HBM3")
+    artifact = tmp_path / "tiny.sgart"
+    assert run_cli("compile", str(MODELS / "tiny_k3.yaml"), "--target", "h200", "-o",
+                   str(artifact)).returncode == 0
+    out = tmp_path / "t.yaml"
+    for tuning in (lambda: tune_module.tune(artifact, out, bins=[1], show_progress=False),
+                   lambda: tune_step(artifact, out, ["mla_core.split=64,128"], [1],
+                                     show_progress=False)):
+        with pytest.raises(UserError) as refused:
+            tuning()
+        message = str(refused.value)
+        assert "compiled for target h200" in message and "--target h100" in message, message
+        assert "allow_target_mismatch" not in message, message
+        assert not out.exists()
+
+
 def test_the_ab_core_checks_and_times_every_step_on_the_cpu(tmp_path: Path) -> None:
-    """Two loads of one tiny_k3 artifact on the same weights agree exactly; a third on other
-    weights is told apart by the check; every step gets its rounds timed."""
+    """Two loads of one tiny_k3 artifact on the same weights agree exactly; one whose
+    lm_head differs (routing untouched) is told apart by the error over its rows; one on
+    other weights everywhere routes its rows otherwise, so no row can be compared and its
+    error is NaN (a refusal in ``tune --step``); every step gets its rounds timed."""
     from stepgraph.bench.ab import compare, load_step, shared_weights
 
     path = tmp_path / "tiny.sgart"
@@ -217,11 +246,56 @@ def test_the_ab_core_checks_and_times_every_step_on_the_cpu(tmp_path: Path) -> N
     artifact = load_artifact(path)
     weights = shared_weights(artifact, device="cpu")
     other = shared_weights(artifact, seed=1, device="cpu")
-    steps = [load_step(artifact, w, [2], 32, "cpu") for w in (weights, weights, other)]
+    head = {**weights, "lm_head": other["lm_head"]}
+    steps = [load_step(artifact, w, [2], 32, "cpu") for w in (weights, weights, head, other)]
     compared = compare(steps, 2, 32, rounds=2, replays=2)
-    assert compared[1].error == 0.0  # step 0 is the reference: its own error says nothing
-    assert compared[2].error > 0.1, compared[2]
+    assert (compared[1].error, compared[1].rerouted, compared[1].rows) == (0.0, 0, 2)
+    assert compared[2].rerouted == 0 and compared[2].error > 0.1, compared[2]
+    assert compared[3].rerouted == 2 and math.isnan(compared[3].error), compared[3]
     assert all(len(c.rounds) == 2 and c.us > 0 for c in compared)
+
+
+def test_the_check_leaves_rerouted_rows_out() -> None:
+    """A step whose second row picked other experts at one router: the error is taken over
+    the first and third rows only (the second row's logits are far off, as a whole expert's
+    output would make them); every row rerouted or a NaN anywhere gives NaN."""
+    from stepgraph.bench.ab import checked
+
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 50, generator=generator)
+    base_ids = {"l1.router": torch.tensor([[3, 7], [1, 2], [5, 6]]),
+                "l2.router": torch.tensor([[0, 4], [4, 0], [2, 3]])}
+    ids = {"l1.router": torch.tensor([[7, 3], [1, 9], [5, 6]]),  # row 0 same set, row 1 not
+           "l2.router": base_ids["l2.router"].clone()}
+    noise = 1e-3 * torch.randn(3, 50, generator=generator)
+    logits = base + noise
+    logits[1] += 10.0
+    got = checked(ids, logits, base_ids, base)
+    alike = [0, 2]
+    want = float(noise[alike].norm() / base[alike].norm())
+    assert (got.rerouted, got.rows) == (1, 3)
+    assert got.error == pytest.approx(want, rel=1e-5) and got.error < 1e-2
+    everywhere = {"l1.router": ids["l1.router"] + 20, "l2.router": ids["l2.router"]}
+    assert math.isnan(checked(everywhere, logits, base_ids, base).error)
+    logits[0, 0] = float("nan")
+    assert math.isnan(checked(base_ids, logits, base_ids, base).error)
+
+
+def test_the_summary_and_table_say_which_rows_were_rerouted() -> None:
+    """A candidate kept with one of four rows rerouted says so in the summary (column and
+    note) and in the written table's source; one with every row rerouted is refused with
+    that reason."""
+    base, some, every = (), (("routed_experts", "stages", 3),), (("routed_experts", "stages", 5),)
+    results = {4: [Timed(base, Compared(0.0, [10.0], 0, 4)),
+                   Timed(some, Compared(0.01, [9.0], 1, 4)),
+                   Timed(every, Compared(float("nan"), [8.0], 4, 4))]}
+    text = summary(results)
+    assert "1/4  routed_experts.stages=3  <- kept" in text, text
+    assert "4/4  routed_experts.stages=5  (refused)" in text, text
+    assert any(line.startswith("(rerouted:") for line in text.splitlines()), text
+    source = recorded(h200(), results, "measured on a test")["description"]
+    assert "routed_experts.stages=3 9.0 (1 of 4 rows rerouted)" in source, source
+    assert "routed_experts.stages=5 refused (every row rerouted)" in source, source
 
 
 @pytest.mark.gpu

@@ -247,6 +247,42 @@ def router_ids(graph: Graph) -> dict[str, str]:
     return {node.name: node.outputs[0] for node in graph if node.op == "router"}
 
 
+def launched_step(compiled: Any, inputs: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One step of ``compiled`` (a :class:`~stepgraph.runtime.step.CompiledStep`) on
+    ``inputs`` with its launches run one by one, its arena poisoned and its output NaN
+    first: each router node's expert ids of the real rows and the logits (copies). The
+    caches are left as the step wrote them."""
+    rows = inputs.rows
+    size = compiled.bin_for(rows)
+    routers = router_ids(compiled.graph)
+    compiled.poison_arena()
+    output = compiled.bindings.outputs[compiled.output_name]
+    output.fill_(float("nan"))
+    compiled.filler.fill(inputs, size)
+    temps = compiled.temps(size)
+    plan = compiled.plan(size)
+    ids = {}
+    for name, launch in zip(plan.names, plan.launches, strict=True):
+        launch()
+        if name in routers:
+            ids[name] = temps[routers[name]][:rows].clone()
+    return ids, output[:rows].float().clone()
+
+
+def same_routing_rows(ids: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor]
+                      ) -> torch.Tensor:
+    """Rows (a bool mask) whose expert choices equal ``base``'s at every router (as sets:
+    the order of a row's top-k does not matter)."""
+    same = None
+    for name, theirs in base.items():
+        mine = ids[name].long().sort(-1).values
+        row_same = (mine == theirs.long().sort(-1).values).all(-1)
+        same = row_same if same is None else same & row_same
+    if same is None:
+        raise ValueError("no router in the step: every row routes the same")
+    return same
+
+
 def fp32_reference(graph: Graph, weights: Mapping[str, torch.Tensor],
                    caches: Mapping[str, torch.Tensor], device: torch.device
                    ) -> ReferenceExecutor:

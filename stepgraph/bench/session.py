@@ -54,9 +54,9 @@ from stepgraph.bench.protocol import (
     device_feed,
     fill_caches,
     fp32_reference,
+    launched_step,
     next_feed,
     relative_error,
-    router_ids,
     serving_call,
     synchronize,
     time_calls,
@@ -70,7 +70,7 @@ from stepgraph.ir.graph import Graph
 from stepgraph.lower.caches import allocate_caches
 from stepgraph.lower.reference import ReferenceExecutor
 from stepgraph.memory.arena import bin_rows
-from stepgraph.runtime.loader import BLOCK_SIZE, check_target
+from stepgraph.runtime.loader import BLOCK_SIZE, artifact_target, check_target
 from stepgraph.runtime.memory_check import CacheExtent, cache_extent, check_fits, step_memory
 
 CHECK_HEADROOM = 64  # tokens of cache beyond the context, for the check's later steps
@@ -146,7 +146,7 @@ class Session:
             raise UserError(f"--batches {missing} are not bins of this artifact (its bins: "
                             f"{', '.join(map(str, bins))})")
         if self.device.type == "cuda":
-            self.check_device(str(deployment.get("target", "default")))
+            self.check_device(artifact_target(self.graph))
         self.results = {rows: BinResult(rows=rows, floor_bytes=0.0, floor_us=0.0)
                         for rows in self.bins}
         self.report = BenchReport(
@@ -446,7 +446,7 @@ class Session:
             del initial
             worst = {"matched": 0.0, "strict": 0.0, "bf16": 0.0, "replay": 0.0}
             for i in range(steps):
-                routing, out, launched = self.compiled_outputs(compiled, graph, feed)
+                routing, out, launched = self.compiled_outputs(compiled, feed)
                 feed_dev = device_feed(graph, feed, self.device)
                 ref_strict = strict.step(feed_dev)["logits"].float()
                 with routing.forced(matched):
@@ -473,34 +473,20 @@ class Session:
             _free()
         return check
 
-    def compiled_outputs(self, compiled: Any, graph: Graph, feed: Feed
+    def compiled_outputs(self, compiled: Any, feed: Feed
                          ) -> tuple[Routing, torch.Tensor, torch.Tensor]:
         """One step of ``compiled`` on ``feed``: its expert choices and logits from its
         launches run one by one, then (caches restored) the logits of its graph replay."""
         from stepgraph.runtime import StepInputs
 
         inputs = StepInputs.from_feed(feed)
-        rows = inputs.rows
-        size = compiled.bin_for(rows)
-        routers = router_ids(graph)
         before = clone_caches(compiled.caches)
-        compiled.poison_arena()
-        output = compiled.bindings.outputs[compiled.output_name]
-        output.fill_(float("nan"))
-        compiled.filler.fill(inputs, size)
-        temps = compiled.temps(size)
-        plan = compiled.plan(size)
-        ids = {}
-        for name, launch in zip(plan.names, plan.launches, strict=True):
-            launch()
-            if name in routers:
-                ids[name] = temps[routers[name]][:rows].clone()
-        launched = output[:rows].float().clone()
+        ids, launched = launched_step(compiled, inputs)
         for name, tensor in compiled.caches.items():
             tensor.copy_(before[name])
         del before
         compiled.poison_arena()
-        output.fill_(float("nan"))
+        compiled.bindings.outputs[compiled.output_name].fill_(float("nan"))
         out = compiled.step(inputs).float().clone()
         return Routing(ids), out, launched
 

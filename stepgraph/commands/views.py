@@ -13,15 +13,7 @@ from stepgraph.ir.printer import format_graph, graph_to_dot, graph_to_mermaid
 from stepgraph.ir.serialize import graph_to_json
 from stepgraph.ir.types import Storage
 from stepgraph.memory.liveness import side_branches
-
-
-def human_bytes(count: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError
+from stepgraph.units import human_bytes
 
 
 def render_graph(graph: Graph, form: str, layers: list[int] | None,

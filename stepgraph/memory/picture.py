@@ -20,6 +20,7 @@ from stepgraph.ir.graph import Graph
 from stepgraph.memory.arena import bin_rows, plan_memory
 from stepgraph.memory.buffer import Buffer
 from stepgraph.memory.liveness import live_bytes
+from stepgraph.units import human_bytes
 
 SYMBOLS = string.digits + string.ascii_letters
 IMAGE_SUFFIXES = (".png", ".svg")
@@ -49,14 +50,6 @@ def _buffers(memory: dict[str, Any], record: dict[str, Any]) -> list[Buffer]:
     buffers = [Buffer(name, record["sizes"][name], span[0], span[1])
                for name, span in memory["live"].items()]
     return sorted(buffers, key=lambda b: (b.first, b.name))
-
-
-def _human(size: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.2f} GiB"
 
 
 def memory_summary(graph: Graph) -> list[dict[str, Any]]:
@@ -99,7 +92,7 @@ def _headline(rows: int, record: dict[str, Any], count: int) -> str:
                            record["naive_bytes"])
     ratio = arena / bound if bound else 1.0
     reuse = naive / arena if arena else 1.0
-    return (f"bin {rows} rows: {count} temps, arena {arena} B ({_human(arena)}), lower bound "
+    return (f"bin {rows} rows: {count} temps, arena {arena} B ({human_bytes(arena)}), lower bound "
             f"{bound} B (arena x{ratio:.3f}), naive {naive} B (x{reuse:.1f} the arena)")
 
 

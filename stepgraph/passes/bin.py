@@ -32,6 +32,7 @@ from stepgraph.ir.nodes import Node
 from stepgraph.ir.types import Storage, eval_dim, is_rows_dim
 from stepgraph.passes.manager import CompileContext, PassResult
 from stepgraph.tactics import TacticTables, load_tables, table_path
+from stepgraph.units import human_bytes
 
 ATTENTION_KINDS = ("kda", "mla", "dsa")
 STOCK = "stock"
@@ -189,13 +190,6 @@ class Bin:
 # ----------------------------------------------------------------------------- explain
 
 
-def _bytes(count: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} B"
-
-
 def _stream_lines(graph: Graph, node: Node) -> list[str]:
     """Where the streams pass put ``node``: on the side stream (forked after the node before
     it, joined before a main-stream node or at the step's end), or carrying branches'
@@ -237,7 +231,8 @@ def explain(graph: Graph, node_name: str) -> str:
         if value.storage is Storage.WEIGHT:
             packed = (" packed[" + " | ".join(f"{s.name} {s.rows}" for s in value.segments)
                       + "]") if len(value.segments) > 1 else ""
-            lines.append(f"  weight {name}: {value.type}{packed} ({_bytes(value.nbytes_static)})")
+            size = human_bytes(value.nbytes_static)
+            lines.append(f"  weight {name}: {value.type}{packed} ({size})")
     tactics = meta.get("tactics")
     if tactics:
         lines.append(f"  tables: {tactics['target']} {tactics['version']} "
@@ -268,7 +263,7 @@ def explain(graph: Graph, node_name: str) -> str:
     if pdl is not None:
         mark = "yes" if pdl["pdl"] else "no"
         lines.append(f"  pdl: {mark} ({pdl['reason']}); weight bytes before the wait: "
-                     f"{_bytes(pdl['prefetch_bytes'])}")
+                     f"{human_bytes(pdl['prefetch_bytes'])}")
         for rows, why in pdl.get("off_bins", {}).items():
             lines.append(f"      not at bin {rows}: {why}")
         weights = {name for name in node.inputs
@@ -278,10 +273,11 @@ def explain(graph: Graph, node_name: str) -> str:
             lines.append(f"      other inputs readable before the wait: {', '.join(early)}")
     lines.extend(_stream_lines(graph, node))
     if node.op == "prefetch":
-        lines.append(f"  prefetch fork {node.attrs.get('fork')}: {_bytes(node.attrs['bytes'])} "
+        size = human_bytes(node.attrs["bytes"])
+        lines.append(f"  prefetch fork {node.attrs.get('fork')}: {size} "
                      f"of the weights {node.attrs.get('target')} reads first")
     for other in graph:
         if other.op == "prefetch" and other.attrs.get("target") == node.name:
             lines.append(f"  warmed by {other.name} (fork {other.attrs.get('fork')}, "
-                         f"{_bytes(other.attrs['bytes'])} into L2)")
+                         f"{human_bytes(other.attrs['bytes'])} into L2)")
     return "\n".join(lines)

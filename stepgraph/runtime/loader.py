@@ -78,6 +78,11 @@ def device_target(device: torch.device) -> str | None:
     return next((target for target, name in GPU_NAMES.items() if name.lower() in found), None)
 
 
+def artifact_target(graph: Graph) -> str:
+    """The target an artifact's graph was compiled for (its deployment's ``target``)."""
+    return str(graph.meta.get("deployment", {}).get("target", "default"))
+
+
 def check_target(target: str, device: torch.device, allow_mismatch: bool = False,
                  escape: str | None = "load with allow_target_mismatch=True") -> None:
     """Refuse running an artifact compiled for ``target`` on ``device`` unless they match
@@ -218,7 +223,7 @@ def load(
     rank = comm.rank if comm is not None else 0
     graph = rank_graph(graph, rank)
     device = resolve_device(device)
-    target = str(graph.meta.get("deployment", {}).get("target", "default"))
+    target = artifact_target(graph)
     check_target(target, device, allow_target_mismatch)
     compute = compute_dtype(dtype)
     if max_context < 1 or block_size < 1:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-from stepgraph.commands.views import human_bytes
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.types import Storage
 from stepgraph.lower.caches import cache_layout
 from stepgraph.lower.tensors import storage_dtype
 from stepgraph.runtime.binding import arena_scale
+from stepgraph.units import human_bytes
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from stepgraph.artifact import load_artifact
 from stepgraph.lower.decode import run_prompts
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.decode import CompiledDecodeRunner
-from stepgraph.runtime.loader import load
+from stepgraph.runtime.loader import artifact_target, check_target, load
 from stepgraph.runtime.rank_check import rank_device
 
 
@@ -41,6 +41,7 @@ def decode_on_rank(comm: Communicator | None, artifact_path: str, prompts: list[
     request has no token)."""
     artifact = load_artifact(artifact_path)
     device = rank_device(run.device)
+    check_target(artifact_target(artifact.graph), device, escape=None)
     longest = max(len(p) for p in prompts)
     dep = int(artifact.document["deployment"].get("dep", 1))
     member = comm.member(dep) if comm is not None and dep > 1 else 0

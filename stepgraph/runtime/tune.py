@@ -281,13 +281,15 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
     faster alone (one cuBLAS launch breaks a PDL chain on both of its sides)."""
     device = require_cuda()
     from stepgraph.artifact import load_artifact
+    from stepgraph.runtime.loader import artifact_target, check_target
     from stepgraph.runtime.progress import progress
     from stepgraph.tactics import load_tables, table_path
 
     artifact = load_artifact(artifact_path)
     graph = artifact.graph
     deployment = artifact.deployment
-    target = deployment.get("target", "default")
+    target = artifact_target(graph)
+    check_target(target, device, escape=None)  # rows measured here belong to this card's table
     planned = [b["rows"] for b in graph.meta.get("bins", []) if b.get("path") != "stock"]
     rows_list = sorted(set(bins or planned or deployment.get("batches", [])))
     if not rows_list or min(rows_list) < 1:

@@ -47,10 +47,14 @@ if TYPE_CHECKING:
 
 REJECT_ERROR = 5e-2  # a candidate whose logits are farther from the base's is refused
 REFUSED_NOTE = (
-    f"(refused: logits NaN or farther than {REJECT_ERROR:.0e} from the table's own step's. A "
-    "wrong kernel, or a near-tie in the MoE routing broken the other way, which moves the "
-    "logits as much; to tell them apart, compile that candidate and run stepgraph bench, "
-    "whose check against float32 counts the routing choices that differ)")
+    f"(refused: logits NaN, or farther than {REJECT_ERROR:.0e} from the table's own step's "
+    "over the rows both route alike, or no row routed alike: a near-tie in the MoE routing "
+    "broken the other way in every row, which at one row is the only row; to check such a "
+    "candidate, compile it and run stepgraph bench, whose check against float32 runs on the "
+    "step's own routing)")
+REROUTED_NOTE = ("(rerouted: rows whose experts differ from the table's own step's at some "
+                 "router, a near-tie broken the other way; they are left out of the logits' "
+                 "check)")
 MAX_CANDIDATES = 16  # a bin's candidates are all loaded at once (weights shared, caches not)
 
 
@@ -88,6 +92,13 @@ class Timed:
     def label(self) -> str:
         """``op.field=value ...`` (``the table's own`` for the base)."""
         return " ".join(f"{op}.{f}={v}" for op, f, v in self.candidate) or "the table's own"
+
+    @property
+    def check(self) -> str:
+        """Its logits' check in words: the error, or why there is none."""
+        if self.result.rows and self.result.rerouted == self.result.rows:
+            return "every row rerouted"
+        return f"logits {self.error:.1e} from the table's own"
 
     @property
     def usable(self) -> bool:
@@ -199,9 +210,8 @@ def recorded(data: dict[str, Any], results: dict[int, list[Timed]], where: str
         best = min(usable, key=lambda t: t.us)
         for op, field, value in best.candidate:
             _apply(out, op, field, value, rows)
-        times = "; ".join(f"{t.label} {t.us:.1f}" if t.usable else
-                          f"{t.label} refused (logits {t.error:.1e} from the table's own)"
-                          for t in timed)
+        times = "; ".join(f"{t.label} {t.us:.1f}" + _rerouted(t) if t.usable else
+                          f"{t.label} refused ({t.check})" for t in timed)
         note = f"bin {rows}: {best.label} kept, {where} (us a step: {times})"
         notes.append(note)
         for op in dict.fromkeys(op for t in timed for op, _, _ in t.candidate):
@@ -249,6 +259,10 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
     device = require_cuda()
     import torch
 
+    from stepgraph.runtime.loader import check_target
+
+    check_target(spec.deployment.target, device, escape=None)
+
     from stepgraph.bench.ab import compare, load_step, shared_weights
 
     gpu = torch.cuda.get_device_name(device)
@@ -283,17 +297,27 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
     return results
 
 
+def _rerouted(timed: Timed) -> str:
+    """`` (k of n rows rerouted)`` where the check left rows out, else nothing."""
+    result = timed.result
+    return f" ({result.rerouted} of {result.rows} rows rerouted)" if result.rerouted else ""
+
+
 def summary(results: dict[int, list[Timed]]) -> str:
-    """A text table: bin, candidate, median us and the rounds, the check; the kept one
-    marked."""
-    lines = [f"{'bin':>4}  {'us':>8}  {'rounds':<26} {'logits':>8}  candidate"]
+    """A text table: bin, candidate, median us and the rounds, the check (the logits'
+    distance and the rows rerouted); the kept one marked."""
+    lines = [f"{'bin':>4}  {'us':>8}  {'rounds':<26} {'logits':>8} {'rerouted':>8}  candidate"]
     for rows, timed in sorted(results.items()):
         best = min((t for t in timed if t.usable), key=lambda t: t.us, default=None)
         for t in timed:
             rounds = " ".join(f"{v:.1f}" for v in t.result.rounds)
             mark = "  <- kept" if t is best else ("" if t.usable else "  (refused)")
-            lines.append(f"{rows:>4}  {t.us:>8.1f}  {rounds:<26} {t.error:>8.1e}  "
-                         f"{t.label}{mark}")
-    if any(not t.usable for timed in results.values() for t in timed):
+            rerouted = f"{t.result.rerouted}/{t.result.rows}"
+            lines.append(f"{rows:>4}  {t.us:>8.1f}  {rounds:<26} {t.error:>8.1e} "
+                         f"{rerouted:>8}  {t.label}{mark}")
+    every = [t for timed in results.values() for t in timed]
+    if any(t.result.rerouted for t in every):
+        lines.append(REROUTED_NOTE)
+    if any(not t.usable for t in every):
         lines.append(REFUSED_NOTE)
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from stepgraph.runtime.tune_step import (
     Timed,
     candidates,
     check_settings,
+    new_candidates,
     parse_settings,
     recorded,
     summary,
@@ -102,6 +103,15 @@ def test_a_variant_sets_its_values_in_its_bin_only() -> None:
     assert data["tactics"]["mla_core"]["rows"][0]["bins"][1] == [128, 32, 4, 1]  # a copy
     assert out["version"].endswith("+mla_core.split=96+mla_core.stages=2@bin1")
     assert variant(data, (), 1) == data
+
+
+def test_a_candidate_equal_to_the_table_is_not_measured_again() -> None:
+    """mla_core.split=64,128 at bin 1, where the H200 table holds split 128: the 128
+    candidate is the base itself and is dropped (the base stands for it); at bin 64, whose
+    row leaves split to the provider, setting 128 is a change and stays."""
+    grid = candidates(parse_settings(["mla_core.split=64,128"]))
+    assert new_candidates(h200(), grid, 1) == [(), (("mla_core", "split", 64),)]
+    assert new_candidates(h200(), grid, 64) == grid
 
 
 def test_the_written_table_keeps_the_fastest_usable_candidate(tmp_path: Path) -> None:

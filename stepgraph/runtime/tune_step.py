@@ -70,6 +70,11 @@ class Setting:
 Candidate = tuple[tuple[str, str, int], ...]  # (op, field, value) settings; () the base
 
 
+def candidate_label(candidate: Candidate) -> str:
+    """``op.field=value ...`` (``the table's own`` for the base)."""
+    return " ".join(f"{op}.{f}={v}" for op, f, v in candidate) or "the table's own"
+
+
 @dataclass
 class Timed:
     """One candidate at one bin and its A/B result (the logits' distance from the base's,
@@ -91,7 +96,7 @@ class Timed:
     @property
     def label(self) -> str:
         """``op.field=value ...`` (``the table's own`` for the base)."""
-        return " ".join(f"{op}.{f}={v}" for op, f, v in self.candidate) or "the table's own"
+        return candidate_label(self.candidate)
 
     @property
     def check(self) -> str:
@@ -196,6 +201,18 @@ def variant(data: dict[str, Any], candidate: Candidate, rows: int) -> dict[str, 
     return out
 
 
+def new_candidates(data: dict[str, Any], grid: Sequence[Candidate], rows: int
+                   ) -> list[Candidate]:
+    """``grid`` without the candidates whose table at bin ``rows`` is the base's own (every
+    value they set already holds there): the base, measured first, stands for them."""
+    def same(candidate: Candidate) -> bool:
+        table = variant(data, candidate, rows)
+        table["version"] = data["version"]
+        return table == data
+
+    return [c for c in grid if not c or not same(c)]
+
+
 def recorded(data: dict[str, Any], results: dict[int, list[Timed]], where: str
              ) -> dict[str, Any]:
     """The table to write: the base with each bin's fastest usable candidate set in it, and
@@ -269,9 +286,15 @@ def tune_step(artifact_path: str | Path, out: str | Path, steps: Sequence[str],
     where = (f"measured on {gpu} {datetime.date.today().isoformat()} by stepgraph tune "
              f"--step in the step of {spec.model.name} (context {context}, {rounds} rounds)")
     results: dict[int, list[Timed]] = {}
+    grids = {rows: new_candidates(data, grid, rows) for rows in bins}
+    for rows, kept in grids.items():
+        for same in (c for c in grid if c not in kept):
+            print(f"bin {rows}: {candidate_label(same)} is the table's own there; measured "
+                  "once, as the table's own")
     with tempfile.TemporaryDirectory() as folder, \
-            progress(len(bins) * len(grid), "tune --step", show_progress) as advance:
+            progress(sum(map(len, grids.values())), "tune --step", show_progress) as advance:
         for rows in bins:
+            grid = grids[rows]
             deployment = Deployment.model_validate(
                 {**spec.deployment.model_dump(), "batches": [rows]})
             loaded = []

@@ -89,14 +89,21 @@ def step_memory(graph: Graph, compute: torch.dtype, extent: CacheExtent,
     return StepMemory(weight_bytes, cache_bytes, arena)
 
 
+WEIGHTS_REMEDY = ("the weights alone do not fit: shard them over more GPUs (compile with a "
+                  "higher --tp or --dep) or use a GPU with more memory")
+
+
 def check_fits(need: StepMemory, device: torch.device, remedy: str) -> None:
     """Refuse, in one line, a step that needs more than ``device``'s free memory (a no-op
-    off CUDA); ``remedy`` says what the caller can change."""
+    off CUDA); ``remedy`` says what the caller can change, unless the weights alone do not
+    fit (then only sharding or a larger GPU helps: :data:`WEIGHTS_REMEDY`)."""
     if device.type != "cuda":
         return
     free, total = torch.cuda.mem_get_info(device)
     if need.total <= free:
         return
+    if need.weights > free:
+        remedy = WEIGHTS_REMEDY
     raise UserError(
         f"the step needs at least {human_bytes(need.total)} on {device} "
         f"({torch.cuda.get_device_name(device)}: {human_bytes(free)} free of "

@@ -5,7 +5,16 @@ from __future__ import annotations
 import json
 import math
 
-from stepgraph.bench.table import BenchReport, BinResult, Check, Timing, bin_table, format_report
+from stepgraph.bench.table import (
+    BenchReport,
+    BinResult,
+    Check,
+    Timing,
+    bin_table,
+    floor_bar,
+    format_report,
+    summary_table,
+)
 
 
 def report(*bins: BinResult) -> BenchReport:
@@ -107,3 +116,36 @@ def test_report_header_and_json() -> None:
     assert data["bins"][0]["timings"]["stepgraph"]["median_us"] == 500.0
     assert data["bins"][0]["timings"]["eager"]["median_us"] is None
     assert data["bins"][0]["checks"]["stepgraph"][0]["rel_err"] == 3e-3
+
+
+def test_floor_bar_in_eighths_of_a_cell() -> None:
+    assert floor_bar(1.0, cells=4) == "████"
+    assert floor_bar(0.5, cells=4) == "██  "
+    assert floor_bar(0.0, cells=4) == "    "
+    assert floor_bar(0.8, cells=25) == "█" * 20 + " " * 5
+    assert floor_bar(1 / 32, cells=4) == "▏   "  # one eighth of one of four cells
+    assert floor_bar(0.3, cells=4) == "█▎  "  # 9.6 eighths round to 10: one cell and 2/8
+    assert floor_bar(1.2, cells=4) == "████+"  # faster than the floor: the floor is off
+
+
+def test_summary_table_over_the_bins() -> None:
+    fast = BinResult(rows=1, floor_bytes=1e9, floor_us=400.0,
+                     timings=timed(torch_compile=1000.0, stepgraph=500.0),
+                     checks={"stepgraph": [passed()]})
+    failed = BinResult(rows=4, floor_bytes=1e9, floor_us=300.0, timings=timed(stepgraph=350.0),
+                       checks={"stepgraph": [Check(rel_err=0.5, steps=1)]})
+    untimed = BinResult(rows=16, floor_bytes=1e9, floor_us=200.0,
+                        timings={"stepgraph": Timing(error="skipped: budget")})
+    eager_only = BinResult(rows=64, floor_bytes=1e9, floor_us=100.0, timings=timed(eager=9.0))
+    table = summary_table(report(fast, failed, untimed, eager_only))
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in table.splitlines()[2:]}
+    assert cells["1"] == ["1", "500.0", "400.0", "80.0 %", f"`{'█' * 20}{' ' * 5}`", "2.00x"]
+    assert cells["4"][1:] == ["check failed", "300.0", "-", "-", "-"]
+    assert "350.0" not in table  # a failed check's time is no result
+    assert cells["16"][1] == "skipped: budget"
+    assert "64" not in cells  # no compiled step ran there
+    assert summary_table(report(eager_only)) == ""
+    text = format_report(report(fast))
+    assert text.index("#### The compiled step, every bin") < text.index("#### B = 1")
+    assert "The compiled step" not in format_report(report(eager_only))

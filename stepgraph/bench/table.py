@@ -222,8 +222,53 @@ def bin_heading(report: BenchReport, result: BinResult) -> str:
             f"({', '.join(parts)}){experts}")
 
 
+BAR_CELLS = 25  # the bar's width at 100 % of the floor (4 % a cell)
+_EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def floor_bar(fraction: float, cells: int = BAR_CELLS) -> str:
+    """``fraction`` (floor / time, 0..1) as a bar of block characters ``cells`` wide at 1,
+    in eighths of a cell; past 1 (faster than the floor says: a sign the floor's bytes or
+    bandwidth are off) the bar is full and ends in ``+``."""
+    eighths = round(max(0.0, min(fraction, 1.0)) * cells * 8)
+    whole, part = divmod(eighths, 8)
+    bar = "█" * whole + (_EIGHTHS[part] if part else "")
+    return bar.ljust(cells) + ("+" if fraction > 1.0 else "")
+
+
+def summary_table(report: BenchReport) -> str:
+    """The compiled step over every bin of the run, in one table with a picture: each bin's
+    graph-replay time, its floor, floor / time as a number and as a bar (full = the floor),
+    and the speed-up over torch.compile; a bin whose check failed or that has no time says
+    so instead. Empty when no bin ran the compiled step."""
+    lines = ["| B | stepgraph us | floor us | floor / time | of the floor (full bar: 100 %) "
+             "| x torch.compile |",
+             "| ---: | ---: | ---: | ---: | :--- | ---: |"]
+    ran = False
+    for result in report.bins:
+        timing = result.timings.get("stepgraph")
+        if timing is None:
+            continue
+        ran = True
+        floor = _us(result.floor_us)
+        if result.check_failed("stepgraph"):
+            lines.append(f"| {result.rows} | check failed | {floor} | - | - | - |")
+            continue
+        if timing.median_us is None:
+            reason = (timing.error or "not measured").replace("|", "/").splitlines()[0]
+            lines.append(f"| {result.rows} | {reason} | {floor} | - | - | - |")
+            continue
+        time = timing.median_us
+        compiled = result.timings.get("torch_compile", Timing()).median_us
+        lines.append(f"| {result.rows} | {_us(time)} | {floor} | "
+                     f"{_ratio(result.floor_us, time, percent=True)} | "
+                     f"`{floor_bar(result.floor_us / time)}` | {_ratio(compiled, time)} |")
+    return "\n".join(lines) if ran else ""
+
+
 def format_report(report: BenchReport) -> str:
-    """The whole report as Markdown: the run's facts, then one table per bin."""
+    """The whole report as Markdown: the run's facts, the compiled step over every bin
+    (:func:`summary_table`), then one table per bin."""
     lines = [
         f"### {report.title}",
         "",
@@ -235,6 +280,9 @@ def format_report(report: BenchReport) -> str:
         f"{report.replays} replays (CUDA events), inputs rotating over {report.input_sets} sets",
     ]
     lines += [f"- {note}" for note in report.notes]
+    summary = summary_table(report)
+    if summary:
+        lines += ["", "#### The compiled step, every bin", "", summary]
     for result in report.bins:
         lines += ["", bin_heading(report, result), "", bin_table(result), ""]
         for mode in MODES:

@@ -82,3 +82,27 @@ def test_run_of_a_tp2_artifact_on_two_cpu_ranks_equals_the_reference_run(tmp_pat
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines() == [
         "error: --nproc 3: the artifact was compiled for 2 rank(s)"]
+
+
+def test_the_rank_report_takes_the_slowest_rank_and_hides_a_failed_check() -> None:
+    from stepgraph.bench.ranks import RankBench, RankBin, format_rank_bench
+
+    def rank(index: int, step_us: float, passed: bool = True) -> RankBench:
+        bins = [RankBin(rows=1, check_error=3e-3, bf16_reference_error=2e-3, floor_us=400.0,
+                        stepgraph_us=step_us, no_collectives_us=450.0, eager_us=5000.0,
+                        check_passed=True),
+                RankBin(rows=4, check_error=0.4, floor_us=300.0, stepgraph_us=350.0,
+                        check_passed=passed)]
+        return RankBench(rank=index, device="NVIDIA H200", bandwidth=4.2e12, bins=bins)
+
+    text = format_rank_bench([rank(0, 480.0), rank(1, 500.0, passed=False)], "### tp2")
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    one = dict(zip(head, (c.strip() for c in lines[1].strip("|").split("|")), strict=True))
+    four = dict(zip(head, (c.strip() for c in lines[2].strip("|").split("|")), strict=True))
+    # the slowest rank's 500 us: floor / time 400 / 500, 20 of 25 cells; collectives 500 - 450
+    assert (one["stepgraph us"], one["floor/time"]) == ("500.0", "80.0 %")
+    assert one["of the floor"] == f"`{'█' * 20}{' ' * 5}`"
+    assert (one["collectives us"], one["eager/stepgraph"]) == ("50.0", "10.00x")
+    assert four["check (max over ranks)"] == "4.00e-01 FAILED"
+    assert (four["stepgraph us"], four["floor/time"], four["of the floor"]) == ("-", "-", "-")

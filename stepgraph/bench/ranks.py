@@ -41,6 +41,7 @@ from stepgraph.bench.protocol import (
     time_calls,
     touched_experts,
 )
+from stepgraph.bench.table import floor_bar
 from stepgraph.bench.weights import device_random_weights
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.inputs import StepInputs
@@ -214,7 +215,8 @@ def format_rank_bench(results: list[RankBench], header: str) -> str:
     lines = [header, "", f"device: {results[0].device} x {len(results)}; copy bandwidth "
              f"{min(r.bandwidth for r in results) / 1e12:.2f} TB/s (slowest rank)", ""]
     head = ["B", "check (max over ranks)", "bf16 ref", "flips", "floor us", "stepgraph us",
-            "floor/time", "no-collectives us", "collectives us", "eager us", "eager/stepgraph"]
+            "floor/time", "of the floor", "no-collectives us", "collectives us", "eager us",
+            "eager/stepgraph"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for index, first in enumerate(results[0].bins):
         per = [r.bins[index] for r in results]
@@ -230,6 +232,7 @@ def format_rank_bench(results: list[RankBench], header: str) -> str:
         cells = [str(first.rows), check, f"{noise:.2e}", str(flips), f"{floor:.1f}",
                  "-" if failed else f"{step:.1f}",
                  "-" if failed else f"{100 * floor / step:.1f} %",
+                 "-" if failed else f"`{floor_bar(floor / step)}`",
                  _us(ablated), _us(step - ablated), _us(eager),
                  "-" if math.isnan(eager) or failed else f"{eager / step:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")

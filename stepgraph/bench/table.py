@@ -183,6 +183,16 @@ def _ratio(numerator: float | None, denominator: float | None, percent: bool = F
     return f"{100 * ratio:.1f} %" if percent else f"{ratio:.2f}x"
 
 
+def _no_time(result: BinResult, mode: str, timing: Timing) -> str:
+    """What a table says in place of ``mode``'s time when it has none to show (its check
+    failed, or it was not measured: the first line of why); empty when it has one."""
+    if mode in COMPILED_MODES and result.check_failed(mode):
+        return "check failed"
+    if timing.median_us is None:
+        return (timing.error or "not measured").replace("|", "/").splitlines()[0]
+    return ""
+
+
 def bin_table(result: BinResult) -> str:
     """The Markdown table of one bin: a line per mode with its median time, the floor,
     floor / time, and the speed-up over eager and over torch.compile (their time / this)."""
@@ -195,12 +205,9 @@ def bin_table(result: BinResult) -> str:
         if timing is None:
             continue
         label = MODE_LABELS[mode]
-        if mode in COMPILED_MODES and result.check_failed(mode):
-            lines.append(f"| {label} | check failed | {_us(result.floor_us)} | - | - | - |")
-            continue
-        if timing.median_us is None:
-            reason = (timing.error or "not measured").replace("|", "/").splitlines()[0]
-            lines.append(f"| {label} | {reason} | {_us(result.floor_us)} | - | - | - |")
+        missing = _no_time(result, mode, timing)
+        if missing:
+            lines.append(f"| {label} | {missing} | {_us(result.floor_us)} | - | - | - |")
             continue
         time = timing.median_us
         lines.append(
@@ -251,12 +258,9 @@ def summary_table(report: BenchReport) -> str:
             continue
         ran = True
         floor = _us(result.floor_us)
-        if result.check_failed("stepgraph"):
-            lines.append(f"| {result.rows} | check failed | {floor} | - | - | - |")
-            continue
-        if timing.median_us is None:
-            reason = (timing.error or "not measured").replace("|", "/").splitlines()[0]
-            lines.append(f"| {result.rows} | {reason} | {floor} | - | - | - |")
+        missing = _no_time(result, "stepgraph", timing)
+        if missing:
+            lines.append(f"| {result.rows} | {missing} | {floor} | - | - | - |")
             continue
         time = timing.median_us
         compiled = result.timings.get("torch_compile", Timing()).median_us

@@ -229,10 +229,9 @@ def format_rank_bench(results: list[RankBench], header: str) -> str:
         eager = max(b.eager_us for b in per)
         check = f"{error:.2e}" + (" FAILED" if failed else "")
         flips = max(b.routing_flips for b in per)
-        cells = [str(first.rows), check, f"{noise:.2e}", str(flips), f"{floor:.1f}",
-                 "-" if failed else f"{step:.1f}",
-                 "-" if failed else f"{100 * floor / step:.1f} %",
-                 "-" if failed else f"`{floor_bar(floor / step)}`",
+        timed = (["-"] * 3 if failed else
+                 [f"{step:.1f}", f"{100 * floor / step:.1f} %", f"`{floor_bar(floor / step)}`"])
+        cells = [str(first.rows), check, f"{noise:.2e}", str(flips), f"{floor:.1f}", *timed,
                  _us(ablated), _us(step - ablated), _us(eager),
                  "-" if math.isnan(eager) or failed else f"{eager / step:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")

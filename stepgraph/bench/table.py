@@ -251,12 +251,10 @@ def summary_table(report: BenchReport) -> str:
     lines = ["| B | stepgraph us | floor us | floor / time | of the floor (full bar: 100 %) "
              "| x torch.compile |",
              "| ---: | ---: | ---: | ---: | :--- | ---: |"]
-    ran = False
     for result in report.bins:
         timing = result.timings.get("stepgraph")
         if timing is None:
             continue
-        ran = True
         floor = _us(result.floor_us)
         missing = _no_time(result, "stepgraph", timing)
         if missing:
@@ -267,7 +265,7 @@ def summary_table(report: BenchReport) -> str:
         lines.append(f"| {result.rows} | {_us(time)} | {floor} | "
                      f"{_ratio(result.floor_us, time, percent=True)} | "
                      f"`{floor_bar(result.floor_us / time)}` | {_ratio(compiled, time)} |")
-    return "\n".join(lines) if ran else ""
+    return "\n".join(lines) if len(lines) > 2 else ""  # the header alone: nothing ran
 
 
 def format_report(report: BenchReport) -> str:

@@ -50,6 +50,14 @@ class Compared:
         """The median of the rounds' medians."""
         return statistics.median(self.rounds)
 
+    def change_from(self, base: Compared) -> tuple[float, float]:
+        """The least and the most this step's time moved from ``base``'s over rounds timed
+        side by side (round i against round i: the pairs share the machine's drift), us."""
+        if not self.rounds or len(self.rounds) != len(base.rounds):
+            raise ValueError(f"paired rounds: {len(self.rounds)} against {len(base.rounds)}")
+        moves = [mine - theirs for mine, theirs in zip(self.rounds, base.rounds, strict=True)]
+        return min(moves), max(moves)
+
 
 def probe_arguments(description: str) -> argparse.ArgumentParser:
     """The command line the step probes share (``scripts/probe_*.py``): an artifact, the row

@@ -56,10 +56,10 @@ def main() -> int:
         for path, result in zip(args.artifacts, table[rows], strict=True):
             print(f"B={rows:<3} {path:<40} " + " ".join(f"{v:8.1f}" for v in result.rounds))
     if len(args.artifacts) > 1:
-        print(f"\nchange from {paths[0]}, round by round (us a step; - is faster)")
+        print(f"\nchange from {args.artifacts[0]}, round by round (us a step; - is faster)")
         for rows in rows_list:
             base = table[rows][0]
-            for path, result in zip(paths[1:], table[rows][1:], strict=True):
+            for path, result in zip(args.artifacts[1:], table[rows][1:], strict=True):
                 low, high = result.change_from(base)
                 print(f"B={rows:<3} {path:<40} {low:+8.1f} to {high:+.1f} "
                       f"({(result.us - base.us) / base.us:+.1%} in the median)")

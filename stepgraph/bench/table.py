@@ -248,9 +248,10 @@ def summary_table(report: BenchReport) -> str:
     graph-replay time, its floor, floor / time as a number and as a bar (full = the floor),
     and the speed-up over torch.compile; a bin whose check failed or that has no time says
     so instead. Empty when no bin ran the compiled step."""
-    lines = ["| B | stepgraph us | floor us | floor / time | of the floor (full bar: 100 %) "
-             "| x torch.compile |",
-             "| ---: | ---: | ---: | ---: | :--- | ---: |"]
+    header = ["| B | stepgraph us | floor us | floor / time | of the floor (full bar: 100 %) "
+              "| x torch.compile |",
+              "| ---: | ---: | ---: | ---: | :--- | ---: |"]
+    lines: list[str] = []
     for result in report.bins:
         timing = result.timings.get("stepgraph")
         if timing is None:
@@ -265,7 +266,7 @@ def summary_table(report: BenchReport) -> str:
         lines.append(f"| {result.rows} | {_us(time)} | {floor} | "
                      f"{_ratio(result.floor_us, time, percent=True)} | "
                      f"`{floor_bar(result.floor_us / time)}` | {_ratio(compiled, time)} |")
-    return "\n".join(lines) if len(lines) > 2 else ""  # the header alone: nothing ran
+    return "\n".join(header + lines) if lines else ""
 
 
 def format_report(report: BenchReport) -> str:

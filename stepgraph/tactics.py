@@ -53,10 +53,12 @@ class Hardware(_Strict):
 
 
 class PdlRule(_Strict):
-    """How many weight bytes a launch may load before its PDL wait."""
+    """How many weight bytes a launch may load before its PDL wait, and what a launch
+    outside the PDL chain (cuBLAS) costs the step beyond its own time."""
 
     tiles_before_wait: int
     tile_bytes: int
+    cublas_break_us: float = Field(default=0.0, ge=0.0)
     source: str
 
 

@@ -6,6 +6,7 @@ recompile use again. A table for another target is refused in one line."""
 from __future__ import annotations
 
 import hashlib
+import math
 import shutil
 import subprocess
 import sys
@@ -203,3 +204,44 @@ def test_a_tune_at_some_bins_keeps_the_base_rows_other_bins(tmp_path: Path) -> N
     rows = yaml.safe_load(out.read_text())["tactics"]["projection"]["rows"]
     same = [r for r in rows if r["match"] == shape_match]
     assert len(same) == 1 and sorted(same[0]["bins"]) == sorted(set(base_bins) | {8, 64})
+
+
+@pytest.mark.parametrize("margin,picked", [
+    (0.0, ["cublas", "cublas", "cublas"]),  # cuBLAS faster alone by 1.5, 2 and 8.5 us
+    (2.0, ["splitk", "splitk", "cublas"]),  # 16 rows: faster by exactly the margin
+    (6.0, ["splitk", "splitk", "cublas"]),
+    (9.0, ["splitk", "splitk", "splitk"]),
+    (math.inf, ["splitk", "splitk", "splitk"]),
+])
+def test_cublas_is_picked_only_where_it_beats_split_k_by_more_than_the_margin(
+        margin: float, picked: list[str]) -> None:
+    """The tune's pick: cuBLAS only where it is faster alone than the fastest split-K tactic
+    by more than the margin (a cuBLAS launch breaks the PDL chain); the split-K pick is the
+    fastest tactic; with no split-K tactic measured, cuBLAS is all there is."""
+    shape = ProjShape(6288, 7168, "bfloat16")
+    results = [Measurement(shape, 1, 10.0, {(16, 1, 1, 2): 11.5, (16, 1, 2, 2): 12.0}),
+               Measurement(shape, 16, 20.0, {(64, 16, 1, 4): 22.0, (64, 16, 2, 4): 25.0}),
+               Measurement(shape, 64, 30.0, {(64, 64, 1, 6): 38.5})]
+    assert [m.choice(margin)[0] for m in results] == picked
+    rows = table_rows(results, 8, 1, "measured by a test", margin)
+    assert [rows[0]["bins"][b] == "cublas" for b in (1, 16, 64)] == [
+        p == "cublas" for p in picked]
+    assert Measurement(shape, 4, 10.0).choice(math.inf) == ("cublas", None, 10.0)
+    assert results[0].choice(math.inf) == ("splitk", (16, 1, 1, 2), 11.5)
+
+
+def test_the_gpu_tables_carry_the_chain_break_the_tune_defaults_to(tmp_path: Path) -> None:
+    """h100.yaml's rough measurement, h200.yaml's assumed copy of it; the portable table has
+    no PDL chain to break, and a table with a negative break is refused in one line."""
+    from stepgraph.tactics import TacticsError, load_tables
+
+    assert load_tables("h100").data.pdl.cublas_break_us == 6.0
+    assert load_tables("h200").data.pdl.cublas_break_us == 6.0
+    assert load_tables("default").data.pdl.cublas_break_us == 0.0
+    data = yaml.safe_load(table_path("h200").read_text())
+    data["pdl"]["cublas_break_us"] = -1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    with pytest.raises(TacticsError) as refused:
+        load_tables("h200", path=bad)
+    assert "cublas_break_us" in str(refused.value) and "\n" not in str(refused.value)

@@ -192,6 +192,11 @@ def test_a_section_key_is_set_typed_and_the_winner_written(tmp_path: Path) -> No
     (["--step", "mla_core.split=64,128"], "needs --bins"),
     (["--step", "mla_core.split=64", "--bins", "1", "--quick"], "belong to the projection"),
     (["--table", "t.yaml"], "--table is the base table of --step"),
+    (["--step", "mla_core.split=64", "--bins", "1", "--cublas-margin-us", "3"],
+     "belong to the projection"),
+    (["--cublas-margin-us", "-1"], "give a margin of 0 or more"),
+    (["--cublas-margin-us", "nan"], "give a margin of 0 or more"),
+    (["--cublas-margin-us", "3", "--splitk-only"], "not allowed with argument"),
 ])
 def test_the_command_refuses_bad_step_arguments_in_one_line(tmp_path: Path, extra: list[str],
                                                            why: str) -> None:

@@ -1,7 +1,8 @@
-"""``stepgraph tune ARTIFACT --out FILE [--bins 1,2,4] [--quick] [--splitk-only]``: measure
-cuBLAS and split-K tactics for every projection shape (and gated MLP gate_up shape) and bin of
-an artifact on this machine's GPU and write a tactic table file (the format of
-``stepgraph/data/tactics/h200.yaml``).
+"""``stepgraph tune ARTIFACT --out FILE [--bins 1,2,4] [--quick] [--cublas-margin-us US |
+--splitk-only]``: measure cuBLAS and split-K tactics for every projection shape (and gated MLP
+gate_up shape) and bin of an artifact on this machine's GPU and write a tactic table file (the
+format of ``stepgraph/data/tactics/h200.yaml``); cuBLAS is picked only where it is faster
+alone by more than the margin (default: the target table's ``pdl.cublas_break_us``).
 
 ``stepgraph tune ARTIFACT --out FILE --bins 1 --step OP.FIELD=V1,V2 [--step ...] [--table
 FILE]``: measure every combination of those tactic values of tabled ops (or of keys of the
@@ -13,6 +14,7 @@ Needs CUDA; torch is imported only when the command runs."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from stepgraph.commands.common import parse_int_list
 from stepgraph.errors import UserError
@@ -28,9 +30,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--bins", help="row counts to measure (default: the artifact's bins)")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller tactic grid (split 1..4, 4 stages)")
-    parser.add_argument("--splitk-only", action="store_true",
+    margin = parser.add_mutually_exclusive_group()
+    margin.add_argument("--cublas-margin-us", type=float, metavar="US",
+                        help="pick cuBLAS only where it is faster alone than the best split-K "
+                        "tactic by more than US microseconds (a cuBLAS launch breaks the PDL "
+                        "chain on both sides; default: the target table's "
+                        "pdl.cublas_break_us)")
+    margin.add_argument("--splitk-only", action="store_true",
                         help="write the fastest split-K tactic at every shape and bin even "
-                        "where cuBLAS is faster alone (cuBLAS launches break PDL chains)")
+                        "where cuBLAS is faster alone (an infinite --cublas-margin-us)")
     parser.add_argument("--step", action="append", default=[], metavar="OP.FIELD=V1,V2",
                         help="tune these tactic values of a tabled op (or values of a "
                         "section key: streams.join_lead=0,1, streams.root_fork=0,1) in the "
@@ -54,12 +62,17 @@ def run(args: argparse.Namespace) -> int:
     if args.table:
         raise UserError("--table is the base table of --step; the projection tuning writes "
                         "its rows over the target's own table")
+    if args.cublas_margin_us is not None and not args.cublas_margin_us >= 0:
+        raise UserError(f"--cublas-margin-us {args.cublas_margin_us:g}: give a margin of 0 or "
+                        "more microseconds")
     from stepgraph.runtime.tune import summary, tune
 
-    results = tune(args.artifact, args.out, bins=bins, quick=args.quick,
-                   show_progress=not args.no_progress, splitk_only=args.splitk_only)
-    print(summary(results, args.splitk_only))
-    print(f"wrote {args.out}: projection rows for {len({r.shape for r in results})} shapes")
+    margin = math.inf if args.splitk_only else args.cublas_margin_us
+    run = tune(args.artifact, args.out, bins=bins, quick=args.quick,
+               show_progress=not args.no_progress, cublas_margin_us=margin)
+    print(summary(run))
+    shapes = len({m.shape for m in run.measurements})
+    print(f"wrote {args.out}: projection rows for {shapes} shapes")
     return 0
 
 
@@ -67,9 +80,9 @@ def run_step(args: argparse.Namespace, bins: list[int] | None) -> int:
     """``--step``: tune tactic values in the step, write the table, print the timings."""
     from stepgraph.runtime.tune_step import summary, tune_step
 
-    if args.quick or args.splitk_only:
-        raise UserError("--quick and --splitk-only belong to the projection tuning, not to "
-                        "--step")
+    if args.quick or args.splitk_only or args.cublas_margin_us is not None:
+        raise UserError("--quick, --splitk-only and --cublas-margin-us belong to the "
+                        "projection tuning, not to --step")
     if args.rounds < 1 or args.context < 1:
         raise UserError("--rounds and --context must be positive")
     results = tune_step(args.artifact, args.out, args.step, bins or [], table=args.table,

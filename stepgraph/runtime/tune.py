@@ -3,8 +3,10 @@ artifact (the per-rank ``(N, K)`` of its projection / o_proj weights and of its 
 gate_up weights, by which those are looked up) and every bin, time cuBLAS and a small grid of
 split-K tactics, and write a tactic table file (the format of
 ``stepgraph/data/tactics/<target>.yaml``) whose projection rows hold the fastest choice per
-bin (with ``splitk_only``: the fastest split-K tactic, for steps run as one PDL chain), each
-row's ``source`` saying where and when it was measured.
+bin, each row's ``source`` saying where and when it was measured. cuBLAS is picked only where
+it is faster alone by more than a margin: a cuBLAS launch breaks the step's PDL chain on both
+of its sides, which an isolated timing does not see (the margin defaults to the target
+table's ``pdl.cublas_break_us``; infinite for steps run as one PDL chain throughout).
 
 Timing: each candidate runs as a CUDA graph of back-to-back launches (split-K with PDL, as
 the runtime launches it) over rotating copies of the weight and activations (more bytes than
@@ -56,15 +58,17 @@ class Measurement:
     cublas_us: float
     splitk_us: dict[tuple[int, ...], float] = field(default_factory=dict)
 
-    def choice(self, splitk_only: bool) -> tuple[str, tuple[int, ...] | None, float]:
-        """``("cublas", None, us)`` or ``("splitk", tactic, us)``, whichever is fastest; with
-        ``splitk_only`` the fastest split-K tactic (cuBLAS only where none was measured)."""
-        choice: tuple[str, tuple[int, ...] | None, float] = (
-            "cublas", None, math.inf if splitk_only and self.splitk_us else self.cublas_us)
-        for tactic, us in sorted(self.splitk_us.items()):
-            if us < choice[2]:
-                choice = ("splitk", tactic, us)
-        return choice
+    def choice(self, cublas_margin_us: float = 0.0
+               ) -> tuple[str, tuple[int, ...] | None, float]:
+        """``("splitk", tactic, us)`` for the fastest split-K tactic, or ``("cublas", None,
+        us)`` where cuBLAS is faster than it by more than ``cublas_margin_us`` (or no split-K
+        tactic was measured); ``math.inf`` keeps every bin on split-K."""
+        if not self.splitk_us:
+            return ("cublas", None, self.cublas_us)
+        tactic, us = min(sorted(self.splitk_us.items()), key=lambda item: item[1])
+        if self.cublas_us + cublas_margin_us < us:
+            return ("cublas", None, self.cublas_us)
+        return ("splitk", tactic, us)
 
 
 def projection_shapes(graph: Graph) -> list[ProjShape]:
@@ -192,9 +196,9 @@ def measure(shape: ProjShape, rows: int, tactics: Iterable[tuple[int, ...]],
 
 
 def table_rows(results: Sequence[Measurement], tp: int, q: int, source: str,
-               splitk_only: bool = False) -> list[dict[str, Any]]:
+               cublas_margin_us: float = 0.0) -> list[dict[str, Any]]:
     """Projection table rows (the tactic file's format) from measurements: one row per
-    shape, each bin's fastest choice (the fastest split-K tactic with ``splitk_only``)."""
+    shape, each bin's choice (:meth:`Measurement.choice` with ``cublas_margin_us``)."""
     rows: dict[tuple[int, int], dict[str, Any]] = {}
     for m in results:
         key = (m.shape.n, m.shape.k)
@@ -203,7 +207,7 @@ def table_rows(results: Sequence[Measurement], tp: int, q: int, source: str,
             if q > 1:
                 match["q"] = q
             rows[key] = {"match": match, "source": source, "bins": {}}
-        provider, tactic, _ = m.choice(splitk_only)
+        provider, tactic, _ = m.choice(cublas_margin_us)
         rows[key]["bins"][m.rows] = list(tactic) if tactic is not None else provider
     for row in rows.values():
         row["bins"] = dict(sorted(row["bins"].items()))
@@ -272,13 +276,28 @@ def require_cuda() -> torch.device:
     return torch.device("cuda")
 
 
+@dataclass(frozen=True)
+class TuneRun:
+    """What one projection tuning measured, and the cuBLAS margin its picks used."""
+
+    measurements: list[Measurement]
+    cublas_margin_us: float
+
+
+def margin_text(cublas_margin_us: float) -> str:
+    """How a table's picks treated cuBLAS, for its rows' source and the summary."""
+    if math.isinf(cublas_margin_us):
+        return "split-K only, for PDL chains"
+    return f"cuBLAS where faster alone by more than {cublas_margin_us:g} us"
+
+
 def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None = None,
-         quick: bool = False, show_progress: bool = True, splitk_only: bool = False
-         ) -> list[Measurement]:
+         quick: bool = False, show_progress: bool = True,
+         cublas_margin_us: float | None = None) -> TuneRun:
     """Measure the projection shapes of an artifact at ``bins`` (default: its specialized
-    bins) and write the table file ``out``; returns the measurements. ``splitk_only``: the
-    table holds the fastest split-K tactic of every shape and bin even where cuBLAS is
-    faster alone (one cuBLAS launch breaks a PDL chain on both of its sides)."""
+    bins) and write the table file ``out``. ``cublas_margin_us``: how much faster alone a
+    cuBLAS launch must be to be picked (one breaks a PDL chain on both of its sides; default
+    the target table's ``pdl.cublas_break_us``, ``math.inf`` for split-K only)."""
     device = require_cuda()
     from stepgraph.artifact import load_artifact
     from stepgraph.runtime.loader import artifact_target, check_target
@@ -290,6 +309,10 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
     deployment = artifact.deployment
     target = artifact_target(graph)
     check_target(target, device, escape=None)  # rows measured here belong to this card's table
+    if cublas_margin_us is None:
+        cublas_margin_us = load_tables(target).data.pdl.cublas_break_us
+    if not cublas_margin_us >= 0:
+        raise UserError(f"--cublas-margin-us {cublas_margin_us:g}: give a margin of 0 or more")
     planned = [b["rows"] for b in graph.meta.get("bins", []) if b.get("path") != "stock"]
     rows_list = sorted(set(bins or planned or deployment.get("batches", [])))
     if not rows_list or min(rows_list) < 1:
@@ -307,23 +330,24 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
         for index, (shape, rows) in enumerate(jobs):
             tactics = candidate_tactics(rows, shape.k, quick)
             results.append(measure(shape, rows, tactics, device, seed=index))
-            kind, tactic, us = results[-1].choice(splitk_only)
+            kind, tactic, us = results[-1].choice(cublas_margin_us)
             advance(1, f"{shape.n}x{shape.k} rows {rows}: {kind} {tactic or ''} {us:.1f} us")
-    label = (f"measured on {gpu} {date} by stepgraph tune"
-             + (" (split-K only, for PDL chains)" if splitk_only else ""))
-    rows_out = table_rows(results, tp, q, label, splitk_only)
+    label = f"measured on {gpu} {date} by stepgraph tune ({margin_text(cublas_margin_us)})"
+    rows_out = table_rows(results, tp, q, label, cublas_margin_us)
     out_path = Path(out)
     write_table(table_path(target), rows_out, out_path, label, date)
     load_tables(target, path=out_path)  # the file must load as a valid table
-    return results
+    return TuneRun(results, cublas_margin_us)
 
 
-def summary(results: Sequence[Measurement], splitk_only: bool = False) -> str:
-    """A text table: shape, rows, cuBLAS time, best split-K time and tactic, the choice."""
+def summary(run: TuneRun) -> str:
+    """A text table: shape, rows, cuBLAS time, best split-K time and tactic, the choice, and
+    the margin the choices used."""
     lines = [f"{'shape':>16} {'rows':>4} {'cublas us':>9} {'splitk us':>9}  best tactic"]
-    for m in results:
+    for m in run.measurements:
         tactic, us = min(m.splitk_us.items(), key=lambda item: item[1], default=(None, math.nan))
-        kind = m.choice(splitk_only)[0]
+        kind = m.choice(run.cublas_margin_us)[0]
         lines.append(f"{m.shape.n:>7}x{m.shape.k:<8} {m.rows:>4} {m.cublas_us:>9.2f} "
                      f"{us:>9.2f}  {list(tactic) if tactic else '-'} -> {kind}")
+    lines.append(f"choices: {margin_text(run.cublas_margin_us)}")
     return "\n".join(lines)

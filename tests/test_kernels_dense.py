@@ -896,6 +896,9 @@ def test_tune_on_gpu(tmp_path: Path) -> None:
     tables = load_tables(target, path=out)
     rows = tables.data.tactics["projection"].rows
     assert any("by stepgraph tune" in row.source for row in rows), rows
+    margin = f"cuBLAS where faster alone by more than {tables.data.pdl.cublas_break_us:g} us"
+    assert f"choices: {margin}" in result.stdout  # the target table's chain break by default
+    assert any(margin in row.source for row in rows), rows
 
 
 if __name__ == "__main__":

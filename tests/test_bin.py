@@ -48,17 +48,17 @@ def _binned(name: str, tables=None, **deployment) -> Graph:
     return graph
 
 
-def _projection_graph(n: int, packed: bool, tp: int) -> Graph:
-    """x[B, 7168] @ W[n, 7168] as a one-node graph at per-rank shapes (a packed weight with
-    view outputs, as the pack pass leaves it, or a plain one)."""
+def _projection_graph(n: int, packed: bool, tp: int, k: int = 7168) -> Graph:
+    """x[B, k] @ W[n, k] as a one-node graph at per-rank shapes (a packed weight with view
+    outputs, as the pack pass leaves it, or a plain one)."""
     g = Graph("proj")
-    g.add_value(Value("x", TensorType(("B", 7168), "bfloat16"), Storage.INPUT))
+    g.add_value(Value("x", TensorType(("B", k), "bfloat16"), Storage.INPUT))
     if packed:
         first = n // 2
         segments = (Segment("a", "w.a", first, 0), Segment("b", "w.b", n - first, first))
     else:
         segments = (Segment("w", "w", n, 0),)
-    g.add_value(Value("w", TensorType((n, 7168), "bfloat16"), Storage.WEIGHT, segments))
+    g.add_value(Value("w", TensorType((n, k), "bfloat16"), Storage.WEIGHT, segments))
     g.add_value(Value("y", TensorType(("B", n), "bfloat16"), Storage.OUTPUT))
     if packed:
         g.add_value(Value("y.a", TensorType(("B", n // 2), "bfloat16"), Storage.TEMP,
@@ -68,10 +68,11 @@ def _projection_graph(n: int, packed: bool, tp: int) -> Graph:
     return g
 
 
-def _decide(n: int, tp: int, rows: list[int], packed: bool = True) -> dict[int, dict]:
+def _decide(n: int, tp: int, rows: list[int], packed: bool = True,
+            k: int = 7168) -> dict[int, dict]:
     spec = _spec("kimi_k3.yaml")
     ctx = CompileContext(spec.model, Deployment(batches=tuple(rows)))
-    graph = Bin().run(_projection_graph(n, packed, tp), ctx).graph
+    graph = Bin().run(_projection_graph(n, packed, tp, k), ctx).graph
     return {int(r): d for r, d in graph.meta["decisions"]["proj"].items()}
 
 
@@ -116,11 +117,24 @@ def test_kda_tp16_and_mla_tp8_use_the_generic_branch_with_their_last_stage() -> 
         assert _tactic(expected) == SEEDS_MLA_TP8[rows]
 
 
-def test_lookup_ignores_packing_but_not_the_tp_degree() -> None:
+def test_lookup_ignores_packing_but_not_a_tp_degree_a_row_names() -> None:
     assert _decide(6288, 8, [4], packed=True) == _decide(6288, 8, [4], packed=False)
-    other = _decide(6288, 16, [4])[4]
+    other = _decide(3216, 8, [4])[4]  # the seeds' 3216 x 7168 row names tp 16
     assert other["provider"] == "cublas" and other["tactic"] == {}
     assert "no projection row" in other["reason"] and "default cublas" in other["reason"]
+
+
+def test_measured_rows_serve_their_per_rank_shape_at_any_tp_degree() -> None:
+    """The o_proj of K3 at TP8 (7168 x 1536 a rank) takes the row measured in the k3-rank-tp8
+    workload (a TP1 spec of the same per-rank shapes), not cuBLAS for want of a tp-8 row;
+    the seeds' in_proj row, which names tp 8, still comes first at TP8 (its bin 8 tactic is
+    the seeds' [128, 8, 2, 6], the measured row's [64, 8, 2, 4])."""
+    for tp in (1, 8, 16):
+        decision = _decide(7168, tp, [1], k=1536)[1]
+        assert decision["provider"] == "splitk", (tp, decision)
+        assert "measured on NVIDIA H200" in decision["reason"], decision["reason"]
+    assert _tactic(_decide(6288, 8, [8])[8]) == SEEDS_KDA_TP8[8]
+    assert _tactic(_decide(6288, 1, [8])[8]) == (64, 8, 2, 4)
 
 
 def test_untabled_projection_defaults_to_cublas_with_its_reason() -> None:

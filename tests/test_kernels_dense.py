@@ -628,7 +628,7 @@ def test_tune_table_round_trip(tmp_path: Path) -> None:
                Measurement(shape, 64, 30.0, {(64, 64, 1, 6): 20.0})]
     out = tmp_path / "h200.measured.yaml"
     source = "measured on TESTGPU 2026-01-01 by stepgraph tune"
-    write_table(table_path("h200"), table_rows(results, 8, 1, source), out, "TEST", "2026-01-01")
+    write_table(table_path("h200"), table_rows(results, 1, source), out, "TEST", "2026-01-01")
     tables = load_tables("h200", path=out)
     one = tables.choose("projection", 1, 6288, 7168, tp=8)
     assert (one.provider, one.tactic["split"], one.tactic["m_tile"]) == ("splitk", 2, 128)
@@ -638,7 +638,7 @@ def test_tune_table_round_trip(tmp_path: Path) -> None:
     seeded = tables.choose("projection", 8, 3648, 7168, tp=8)  # a base row, kept
     assert seeded.provider == "splitk" and "seeds 000" in seeded.reason
     only = tmp_path / "splitk-only.yaml"
-    write_table(table_path("h200"), table_rows(results, 8, 1, source, math.inf), only,
+    write_table(table_path("h200"), table_rows(results, 1, source, math.inf), only,
                 "TEST", "2026-01-01")
     tables = load_tables("h200", path=only)
     forced = tables.choose("projection", 16, 6288, 7168, tp=8)  # cuBLAS was faster alone

@@ -31,7 +31,7 @@ def _tuned(folder: Path) -> Path:
                Measurement(shape, 64, 30.0, {(64, 64, 1, 6): 20.0})]
     folder.mkdir(parents=True, exist_ok=True)
     out = folder / "tuned.yaml"
-    write_table(table_path("h200"), table_rows(results, 8, 1, "measured by a test"), out,
+    write_table(table_path("h200"), table_rows(results, 1, "measured by a test"), out,
                 "TEST", "2026-11-30")
     return out
 
@@ -184,7 +184,7 @@ def test_a_tune_at_some_bins_keeps_the_base_rows_other_bins(tmp_path: Path) -> N
     results = [Measurement(shape, 8, 40.0, {(64, 8, 1, 4): 30.0}),
                Measurement(shape, 64, 40.0, {(64, 64, 2, 4): 30.0})]
     out = tmp_path / "tuned.yaml"
-    write_table(table_path("h100"), table_rows(results, 1, 1, "measured by a test"), out,
+    write_table(table_path("h100"), table_rows(results, 1, "measured by a test"), out,
                 "TEST", "2026-12-06")
     base, tuned = load_tables("h100"), load_tables("h100", path=out)
     for rows in (1, 2):
@@ -193,7 +193,7 @@ def test_a_tune_at_some_bins_keeps_the_base_rows_other_bins(tmp_path: Path) -> N
         assert kept.tactic["k_tile"] == 0  # the GEMV form, not an MMA tile
     assert tuned.choose("projection", 8, 6288, 7168, tp=1).tactic["split"] == 1
     assert tuned.choose("projection", 64, 6288, 7168, tp=1).tactic["split"] == 2
-    shape_match = {"n": 6288, "k": 7168, "tp": 1}
+    shape_match = {"n": 6288, "k": 7168}
     base_rows = yaml.safe_load(table_path("h100").read_text())["tactics"]["projection"]["rows"]
     base_bins = next(r["bins"] for r in base_rows if r["match"] == shape_match)
     others = sorted(set(base_bins) - {8, 64})
@@ -223,7 +223,7 @@ def test_cublas_is_picked_only_where_it_beats_split_k_by_more_than_the_margin(
                Measurement(shape, 16, 20.0, {(64, 16, 1, 4): 22.0, (64, 16, 2, 4): 25.0}),
                Measurement(shape, 64, 30.0, {(64, 64, 1, 6): 38.5})]
     assert [m.choice(margin)[0] for m in results] == picked
-    rows = table_rows(results, 8, 1, "measured by a test", margin)
+    rows = table_rows(results, 1, "measured by a test", margin)
     assert [rows[0]["bins"][b] == "cublas" for b in (1, 16, 64)] == [
         p == "cublas" for p in picked]
     assert Measurement(shape, 4, 10.0).choice(math.inf) == ("cublas", None, 10.0)

@@ -195,15 +195,17 @@ def measure(shape: ProjShape, rows: int, tactics: Iterable[tuple[int, ...]],
     return result
 
 
-def table_rows(results: Sequence[Measurement], tp: int, q: int, source: str,
+def table_rows(results: Sequence[Measurement], q: int, source: str,
                cublas_margin_us: float = 0.0) -> list[dict[str, Any]]:
     """Projection table rows (the tactic file's format) from measurements: one row per
-    shape, each bin's choice (:meth:`Measurement.choice` with ``cublas_margin_us``)."""
+    shape, each bin's choice (:meth:`Measurement.choice` with ``cublas_margin_us``). A row
+    names no TP degree: a GEMM's speed depends on its per-rank shape, so it serves that shape
+    at any degree."""
     rows: dict[tuple[int, int], dict[str, Any]] = {}
     for m in results:
         key = (m.shape.n, m.shape.k)
         if key not in rows:
-            match: dict[str, int] = {"n": m.shape.n, "k": m.shape.k, "tp": tp}
+            match: dict[str, int] = {"n": m.shape.n, "k": m.shape.k}
             if q > 1:
                 match["q"] = q
             rows[key] = {"match": match, "source": source, "bins": {}}
@@ -320,7 +322,6 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
     shapes = projection_shapes(graph)
     if not shapes:
         raise UserError(f"{artifact_path}: the plan has no projection to tune")
-    tp = int(graph.meta.get("groups", {}).get("tp", 1))
     q = int(deployment.get("q", 1))
     gpu = torch.cuda.get_device_name(device)
     date = datetime.date.today().isoformat()
@@ -333,7 +334,7 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
             kind, tactic, us = results[-1].choice(cublas_margin_us)
             advance(1, f"{shape.n}x{shape.k} rows {rows}: {kind} {tactic or ''} {us:.1f} us")
     label = f"measured on {gpu} {date} by stepgraph tune ({margin_text(cublas_margin_us)})"
-    rows_out = table_rows(results, tp, q, label, cublas_margin_us)
+    rows_out = table_rows(results, q, label, cublas_margin_us)
     out_path = Path(out)
     write_table(table_path(target), rows_out, out_path, label, date)
     load_tables(target, path=out_path)  # the file must load as a valid table

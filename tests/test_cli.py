@@ -85,6 +85,33 @@ def test_inspect_tp8_per_rank_shapes(k3_tp8: Path) -> None:
     assert data["world"] == 8
 
 
+def test_inspect_says_which_launches_stand_outside_the_pdl_chain(k3_tp8: Path,
+                                                                 tmp_path: Path) -> None:
+    """At TP8 every collective stands outside the PDL chain (NCCL launches it without the
+    attribute), so does the launch after one and the step's first launch; the o-projections
+    (7168 x 1536 a rank, split-K from the row measured at that per-rank shape) wait in it.
+    The text summary counts them per bin; a --no-pdl compile says PDL is off."""
+    data = json.loads(run_cli("inspect", str(k3_tp8), "--format", "json", "--summary").stdout)
+    chain = data["pdl"]
+    assert chain["enabled"] and chain["launches"] == data["launches"]
+    collectives = sum(data["collectives"].values())
+    assert collectives == 187 + 93 + 92
+    for rows, entry in chain["bins"].items():
+        off = entry["off_chain"]
+        assert entry["in_chain"] + len(off) == data["launches"]
+        assert sum(op in data["collectives"] for op in off.values()) == collectives, rows
+        assert {"embed", "embedded.all_reduce", "l0.in_proj"} <= set(off), rows
+        assert not any(op == "o_proj" for op in off.values()), rows
+    text = run_cli("inspect", str(k3_tp8), "--summary").stdout
+    first = next(line for line in text.splitlines() if line.startswith("pdl "))
+    assert f"rows 1: {chain['bins']['1']['in_chain']} of {data['launches']} launches" in first
+    assert "187 all_reduce" in first
+    plain = tmp_path / "plain.sgart"
+    assert run_cli("compile", K3, "--tp", "8", "--no-pdl", "-o", str(plain)).returncode == 0
+    assert "pdl        off (compiled with --no-pdl)" in run_cli("inspect", str(plain),
+                                                             "--summary").stdout
+
+
 @pytest.mark.parametrize("form", ["dot", "mermaid"])
 def test_inspect_graph_forms(k3_tp8: Path, form: str) -> None:
     result = run_cli("inspect", str(k3_tp8), "--format", form, "--layer", "3")

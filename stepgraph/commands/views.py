@@ -79,6 +79,25 @@ def bin_rows(graph: Graph) -> list[dict[str, Any]]:
     return result
 
 
+def pdl_chain(graph: Graph) -> dict[str, Any]:
+    """Per bin, how many launches wait in the PDL chain and which stand outside it, name ->
+    op (the first launch, collectives, providers that cannot wait such as cuBLAS, and the
+    launch after each); from the pdl pass's marks. Empty where the pass did not run."""
+    marks = graph.meta.get("pdl")
+    if not marks:
+        return {}
+    launches = [node.name for node in graph if node.op != "prefetch"]
+    if not graph.meta.get("pdl_config", {}).get("enabled", True):
+        return {"enabled": False, "launches": len(launches)}
+    bins = [str(e["rows"]) for e in graph.meta.get("bins", [])] or ["all"]
+    result: dict[str, Any] = {"enabled": True, "launches": len(launches), "bins": {}}
+    for rows in bins:
+        off = {name: graph.node(name).op for name in launches
+               if not marks.get(name, {}).get("pdl") or rows in marks[name].get("off_bins", {})}
+        result["bins"][rows] = {"in_chain": len(launches) - len(off), "off_chain": off}
+    return result
+
+
 def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
     """The machine-readable summary (``inspect --format json``)."""
     layers = graph.meta.get("layers", [])
@@ -115,6 +134,7 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
         "streams": {"side": side, "side_ops": dict(sorted(Counter(
             graph.node(name).op for name in side).items())),
             **{key: bool(streams.get(key)) for key in ("root_fork", "signal")}},
+        "pdl": pdl_chain(graph),
     }
 
 
@@ -176,6 +196,7 @@ def summary_text(data: dict[str, Any], path: str) -> str:
                         else "")
                      + ("; an empty launch forked there at the root" if streams.get("root_fork")
                         else ""))
+    lines.extend(pdl_lines(data.get("pdl", {})))
     planned = [b for b in data["bins"] if "memory" in b]
     if planned:
         lines.append("memory     rows    arena      lower bound  naive      arena/lb")
@@ -186,6 +207,29 @@ def summary_text(data: dict[str, Any], path: str) -> str:
                          f"{human_bytes(m['lower_bound_bytes']):<12} "
                          f"{human_bytes(m['naive_bytes']):<10} {ratio:.3f}")
     return "\n".join(lines)
+
+
+PDL_OPS_SHOWN = 5
+
+
+def pdl_lines(chain: dict[str, Any]) -> list[str]:
+    """The summary's PDL lines: per bin, the launches in the chain and those outside it by
+    op (``inspect --explain NODE`` says why each is)."""
+    if not chain:
+        return []
+    if not chain["enabled"]:
+        return ["pdl        off (compiled with --no-pdl): no launch waits on its predecessor "
+                "early"]
+    lines = []
+    for index, (rows, entry) in enumerate(chain["bins"].items()):
+        off = Counter(entry["off_chain"].values()).most_common()
+        shown = ", ".join(f"{n} {op}" for op, n in off[:PDL_OPS_SHOWN])
+        if len(off) > PDL_OPS_SHOWN:
+            shown += f", {sum(n for _, n in off[PDL_OPS_SHOWN:])} more"
+        label = "pdl        " if index == 0 else " " * 11
+        lines.append(f"{label}rows {rows}: {entry['in_chain']} of {chain['launches']} launches "
+                     f"in the PDL chain" + (f"; outside it: {shown}" if off else ""))
+    return lines
 
 
 def decision_note(graph: Graph, rows: int):

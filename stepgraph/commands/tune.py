@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
     from stepgraph.runtime.tune import summary, tune
 
     margin = math.inf if args.splitk_only else args.cublas_margin_us
-    run = tune(args.artifact, args.out, bins=bins, quick=args.quick,
-               show_progress=not args.no_progress, cublas_margin_us=margin)
-    print(summary(run))
-    shapes = len({m.shape for m in run.measurements})
+    tuned = tune(args.artifact, args.out, bins=bins, quick=args.quick,
+                 show_progress=not args.no_progress, cublas_margin_us=margin)
+    print(summary(tuned))
+    shapes = len({m.shape for m in tuned.measurements})
     print(f"wrote {args.out}: projection rows for {shapes} shapes")
     return 0
 

@@ -26,7 +26,7 @@ from stepgraph.ir.nodes import Node
 from stepgraph.ir.types import Storage, TensorType
 from stepgraph.memory.liveness import side_branches
 from stepgraph.passes.bin import tables_for
-from stepgraph.passes.pdl import is_collective
+from stepgraph.passes.pdl import is_collective, uses_pdl_at
 from stepgraph.tactics import TacticTables
 
 MAIN_TID, PREFETCH_TID, PID = 1, 2, 1
@@ -138,7 +138,7 @@ def chrome_trace(graph: Graph, rows: int, tables: TacticTables | None = None,
         duration, note = _duration_us(node, moved, tables)
         choice = decisions.get(node.name, {}).get(key, {})
         mark = marks.get(node.name, {})
-        uses_pdl = bool(mark.get("pdl")) and key not in mark.get("off_bins", {})
+        uses_pdl = uses_pdl_at(mark, key)
         args: dict[str, Any] = {
             "op": node.op, "layer": node.layer, "unit": node.unit,
             "provider": choice.get("provider"), "tactic": choice.get("tactic"),

@@ -13,6 +13,7 @@ from stepgraph.ir.printer import format_graph, graph_to_dot, graph_to_mermaid
 from stepgraph.ir.serialize import graph_to_json
 from stepgraph.ir.types import Storage
 from stepgraph.memory.liveness import side_branches
+from stepgraph.passes.pdl import uses_pdl_at
 from stepgraph.units import human_bytes
 
 
@@ -93,7 +94,7 @@ def pdl_chain(graph: Graph) -> dict[str, Any]:
     result: dict[str, Any] = {"enabled": True, "launches": len(launches), "bins": {}}
     for rows in bins:
         off = {name: graph.node(name).op for name in launches
-               if not marks.get(name, {}).get("pdl") or rows in marks[name].get("off_bins", {})}
+               if not uses_pdl_at(marks.get(name), rows)}
         result["bins"][rows] = {"in_chain": len(launches) - len(off), "off_chain": off}
     return result
 

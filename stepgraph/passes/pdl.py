@@ -48,6 +48,7 @@ PDL, no fork is inserted, and every entry says the pass is disabled.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, ClassVar
@@ -66,6 +67,12 @@ FORK_OPROJ = "oproj_down"
 FORK_NEXT = "next_weights"
 DISABLED = "pdl pass disabled (ablation): launched without PDL"
 _NONE: dict[str, Any] = {}  # the decisions of a node the bin pass did not see
+
+
+def uses_pdl_at(mark: Mapping[str, Any] | None, rows: str) -> bool:
+    """Whether a launch with this ``meta["pdl"]`` mark waits in the PDL chain at bin ``rows``
+    (its row count as a string, the key ``off_bins`` uses)."""
+    return mark is not None and bool(mark.get("pdl")) and rows not in mark.get("off_bins", {})
 
 
 def is_collective(node: Node) -> bool:

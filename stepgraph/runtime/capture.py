@@ -18,6 +18,7 @@ import torch
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
 from stepgraph.memory.liveness import side_branches
+from stepgraph.passes.pdl import uses_pdl_at
 from stepgraph.runtime.binding import regroup_launches
 from stepgraph.runtime.comm import Communicator
 from stepgraph.runtime.kernels.launch_utils import scratch, scratch_namespace
@@ -115,10 +116,7 @@ def decision(graph: Graph, node: Node, rows: int) -> tuple[str | None, Mapping[s
 
 def node_pdl(graph: Graph, node: Node, rows: int, enabled: bool) -> bool:
     """Whether ``node`` may launch with PDL at bin ``rows`` (the pdl pass's mark)."""
-    entry = graph.meta.get("pdl", {}).get(node.name)
-    if not enabled or entry is None:
-        return False
-    return bool(entry.get("pdl")) and str(rows) not in entry.get("off_bins", {})
+    return enabled and uses_pdl_at(graph.meta.get("pdl", {}).get(node.name), str(rows))
 
 
 def node_pre_wait(graph: Graph, node: Node) -> frozenset[str]:

@@ -58,17 +58,20 @@ class Measurement:
     cublas_us: float
     splitk_us: dict[tuple[int, ...], float] = field(default_factory=dict)
 
+    def best_splitk(self) -> tuple[tuple[int, ...], float] | None:
+        """The fastest split-K tactic and its time (the smallest tactic of a tie); None where
+        none was measured."""
+        return min(sorted(self.splitk_us.items()), key=lambda item: item[1], default=None)
+
     def choice(self, cublas_margin_us: float = 0.0
                ) -> tuple[str, tuple[int, ...] | None, float]:
         """``("splitk", tactic, us)`` for the fastest split-K tactic, or ``("cublas", None,
         us)`` where cuBLAS is faster than it by more than ``cublas_margin_us`` (or no split-K
         tactic was measured); ``math.inf`` keeps every bin on split-K."""
-        if not self.splitk_us:
+        best = self.best_splitk()
+        if best is None or self.cublas_us + cublas_margin_us < best[1]:
             return ("cublas", None, self.cublas_us)
-        tactic, us = min(sorted(self.splitk_us.items()), key=lambda item: item[1])
-        if self.cublas_us + cublas_margin_us < us:
-            return ("cublas", None, self.cublas_us)
-        return ("splitk", tactic, us)
+        return ("splitk", *best)
 
 
 def projection_shapes(graph: Graph) -> list[ProjShape]:
@@ -300,6 +303,9 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
     bins) and write the table file ``out``. ``cublas_margin_us``: how much faster alone a
     cuBLAS launch must be to be picked (one breaks a PDL chain on both of its sides; default
     the target table's ``pdl.cublas_break_us``, ``math.inf`` for split-K only)."""
+    if cublas_margin_us is not None and not cublas_margin_us >= 0:
+        raise UserError(f"--cublas-margin-us {cublas_margin_us:g}: give a margin of 0 or more "
+                        "microseconds")
     device = require_cuda()
     from stepgraph.artifact import load_artifact
     from stepgraph.runtime.loader import artifact_target, check_target
@@ -311,10 +317,8 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
     deployment = artifact.deployment
     target = artifact_target(graph)
     check_target(target, device, escape=None)  # rows measured here belong to this card's table
-    if cublas_margin_us is None:
+    if cublas_margin_us is None:  # the table's value, which its schema keeps >= 0
         cublas_margin_us = load_tables(target).data.pdl.cublas_break_us
-    if not cublas_margin_us >= 0:
-        raise UserError(f"--cublas-margin-us {cublas_margin_us:g}: give a margin of 0 or more")
     planned = [b["rows"] for b in graph.meta.get("bins", []) if b.get("path") != "stock"]
     rows_list = sorted(set(bins or planned or deployment.get("batches", [])))
     if not rows_list or min(rows_list) < 1:
@@ -346,7 +350,7 @@ def summary(run: TuneRun) -> str:
     the margin the choices used."""
     lines = [f"{'shape':>16} {'rows':>4} {'cublas us':>9} {'splitk us':>9}  best tactic"]
     for m in run.measurements:
-        tactic, us = min(m.splitk_us.items(), key=lambda item: item[1], default=(None, math.nan))
+        tactic, us = m.best_splitk() or (None, math.nan)
         kind = m.choice(run.cublas_margin_us)[0]
         lines.append(f"{m.shape.n:>7}x{m.shape.k:<8} {m.rows:>4} {m.cublas_us:>9.2f} "
                      f"{us:>9.2f}  {list(tactic) if tactic else '-'} -> {kind}")

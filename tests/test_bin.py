@@ -28,12 +28,13 @@ H200_VERSION = yaml.safe_load(H200.read_text())["version"]  # the file's own fie
 
 # The seeds' projection_policies (shared/seeds/000), evaluated by hand for each row count:
 # n = next bin of (8, 16, 32) else 64; the 6288-row (KDA TP8) branch and the generic one.
-SEEDS_KDA_TP8 = {2: (128, 8, 2, 6), 3: (128, 8, 2, 6), 8: (128, 8, 2, 6), 9: (128, 16, 2, 6),
+# At TP8, one and two rows take forms measured here instead (the tests below).
+SEEDS_KDA_TP8 = {3: (128, 8, 2, 6), 8: (128, 8, 2, 6), 9: (128, 16, 2, 6),
                  16: (128, 16, 2, 6), 17: (128, 32, 2, 5), 32: (128, 32, 2, 5),
                  33: (64, 64, 1, 6), 64: (64, 64, 1, 6)}
 SEEDS_KDA_TP16 = {1: (64, 8, 4, 8), 8: (64, 8, 4, 8), 12: (64, 16, 2, 10), 32: (64, 32, 2, 8),
                   40: (64, 64, 2, 6), 64: (64, 64, 2, 6)}
-SEEDS_MLA_TP8 = {2: (64, 8, 4, 8), 16: (64, 16, 2, 10), 24: (64, 32, 2, 8), 64: (64, 64, 2, 5)}
+SEEDS_MLA_TP8 = {3: (64, 8, 4, 8), 16: (64, 16, 2, 10), 24: (64, 32, 2, 8), 64: (64, 64, 2, 5)}
 
 
 def _spec(name: str):
@@ -99,15 +100,18 @@ def test_kda_tp8_projection_uses_the_seeds_tactics_at_every_row_count() -> None:
         assert "seeds 000" in decisions[rows]["reason"]
 
 
-def test_one_row_takes_the_measured_gemv_form_at_the_k3_tp8_shapes() -> None:
-    """Bin 1 of the seeded TP8 rows is ours: the GEMV form (n_tile 1) with its optional
-    k_tile and warps fields, measured on the H200 at those per-rank shapes."""
+@pytest.mark.parametrize("rows", [1, 2])
+def test_one_and_two_rows_take_the_measured_gemv_form_at_the_k3_tp8_shapes(rows: int) -> None:
+    """Bins 1 and 2 of the seeded TP8 rows are ours: the GEMV form (n_tile = rows) with its
+    optional k_tile and warps fields, measured on the H200 at those per-rank shapes in the
+    k3-rank-tp8 step; three rows still take the seeds' 8-row tactic."""
     for n, m_tile, warps in ((6288, 8, 4), (3648, 16, 8)):
-        decision = _decide(n, 8, [1])[1]
+        decision = _decide(n, 8, [rows])[rows]
         assert decision["provider"] == "splitk"
-        assert decision["tactic"] == {"m_tile": m_tile, "n_tile": 1, "split": 1, "stages": 2,
+        assert decision["tactic"] == {"m_tile": m_tile, "n_tile": rows, "split": 1, "stages": 2,
                                       "k_tile": 0, "warps": warps}, n
-        assert "GEMV form measured on NVIDIA H200" in decision["reason"]
+        assert "GEMV form" in decision["reason"] and "measured on NVIDIA H200" in decision["reason"]
+        assert _decide(n, 8, [rows, 3])[3]["tactic"]["n_tile"] == 8, n
 
 
 def test_kda_tp16_and_mla_tp8_use_the_generic_branch_with_their_last_stage() -> None:
@@ -154,7 +158,7 @@ def test_k3_at_tp8_finds_the_seeded_row_for_the_packed_kda_projection() -> None:
     assert len(names) == 1
     decisions = graph.meta["decisions"][names[0]]
     assert {int(r): _tactic(d) for r, d in decisions.items()} == {
-        1: (8, 1, 1, 2), 2: (128, 8, 2, 6), 4: (128, 8, 2, 6), 8: (128, 8, 2, 6),
+        1: (8, 1, 1, 2), 2: (8, 2, 1, 2), 4: (128, 8, 2, 6), 8: (128, 8, 2, 6),
         16: (128, 16, 2, 6), 32: (128, 32, 2, 5), 64: (64, 64, 1, 6)}
 
 
@@ -254,7 +258,7 @@ def test_digest_is_the_files_sha256_and_changes_with_the_file(tmp_path: Path) ->
     path.write_text(path.read_text().replace("[128, 8, 2, 6]", "[128, 8, 2, 7]", 1))
     second = load_tables("h200", path)
     assert second.digest != first.digest
-    assert second.choose("projection", 2, 6288, 7168, 8).tactic["stages"] == 7
+    assert second.choose("projection", 3, 6288, 7168, 8).tactic["stages"] == 7
     graph = _binned("tiny_k3.yaml", second)
     assert graph.meta["tactics"]["digest"] == second.digest
 

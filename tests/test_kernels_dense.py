@@ -658,6 +658,33 @@ def test_tune_refuses_without_cuda() -> None:
     assert result.stderr.count("\n") == 1 and "CUDA" in result.stderr, result.stderr
 
 
+def test_tune_shapes_select_the_named_weight_shapes_of_the_artifact() -> None:
+    """`tune --shapes` on K3 at TP8: the MoE front (560 x 7168) and routed_up (7168 x 448),
+    the two projection shapes no H200 table row holds there, are picked out in graph order;
+    a shape the plan lacks is refused in one line that lists the plan's shapes."""
+    from conftest import MODELS
+
+    from stepgraph.compiler import compile_graph
+    from stepgraph.errors import UserError
+    from stepgraph.runtime.tune import projection_shapes, select_shapes
+    from stepgraph.spec_loader import load_spec
+
+    spec = load_spec(MODELS / "kimi_k3.yaml")
+    graph, _ = compile_graph(spec, spec.deployment.model_copy(update={"tp": 8}))
+    shapes = projection_shapes(graph)
+    untabled = {(graph.values[n.inputs[1]].type.shape)
+                for n in graph if n.op == "projection"
+                and graph.meta["decisions"][n.name]["1"]["provider"] == "cublas"}
+    assert untabled == {(560, 7168), (7168, 448)}
+    chosen = select_shapes(shapes, [(7168, 448), (560, 7168)], "k3.sgart")
+    assert [(s.n, s.k) for s in chosen] == [(s.n, s.k) for s in shapes
+                                            if (s.n, s.k) in untabled]
+    assert select_shapes(shapes, None, "k3.sgart") == shapes
+    with pytest.raises(UserError, match=r"--shapes: 561x7168 is not a projection weight "
+                                        r"shape of k3\.sgart; its shapes: .*560x7168"):
+        select_shapes(shapes, [(560, 7168), (561, 7168)], "k3.sgart")
+
+
 def test_candidate_tactics_keep_two_k_tiles_a_split() -> None:
     """The tuning grid never splits K below two K tiles a split, and takes the GEMV forms
     (one program for all the rows, in groups of 1, 2 or 4) only up to four rows."""
@@ -886,16 +913,22 @@ def test_tune_on_gpu(tmp_path: Path) -> None:
     result = run_cli("compile", str(MODELS / "tiny_k3.yaml"), "--target", target, "-o",
                      str(artifact))
     assert result.returncode == 0, result.stderr
+    from stepgraph.artifact import load_artifact
+    from stepgraph.runtime.tune import projection_shapes
+
+    shapes = projection_shapes(load_artifact(artifact).graph)[:2]  # --shapes picks these
     out = tmp_path / "measured.yaml"
     result = run_cli("tune", str(artifact), "--out", str(out), "--bins", "1,8", "--quick",
-                     "--no-progress")
+                     "--no-progress", "--shapes", ",".join(f"{s.n}x{s.k}" for s in shapes))
     assert result.returncode == 0, result.stdout + result.stderr
     print(result.stdout)
     from stepgraph.tactics import load_tables
 
     tables = load_tables(target, path=out)
     rows = tables.data.tactics["projection"].rows
-    assert any("by stepgraph tune" in row.source for row in rows), rows
+    measured = [row for row in rows if "by stepgraph tune" in row.source]
+    assert sorted((row.match["n"], row.match["k"]) for row in measured) == sorted(
+        (s.n, s.k) for s in shapes), measured
     margin = f"cuBLAS where faster alone by more than {tables.data.pdl.cublas_break_us:g} us"
     assert f"choices: {margin}" in result.stdout  # the target table's chain break by default
     assert any(margin in row.source for row in rows), rows

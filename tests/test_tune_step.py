@@ -197,6 +197,12 @@ def test_a_section_key_is_set_typed_and_the_winner_written(tmp_path: Path) -> No
     (["--cublas-margin-us", "-1"], "give a margin of 0 or more"),
     (["--cublas-margin-us", "nan"], "give a margin of 0 or more"),
     (["--cublas-margin-us", "3", "--splitk-only"], "not allowed with argument"),
+    (["--shapes", "560x"], "expected comma-separated NxK"),
+    (["--shapes", "560*7168"], "expected comma-separated NxK"),
+    (["--shapes", "0x7168"], "with positive sizes"),
+    (["--shapes", ","], "give at least one NxK"),
+    (["--step", "mla_core.split=64", "--bins", "1", "--shapes", "560x7168"],
+     "--shapes belongs to the projection tuning"),
 ])
 def test_the_command_refuses_bad_step_arguments_in_one_line(tmp_path: Path, extra: list[str],
                                                            why: str) -> None:

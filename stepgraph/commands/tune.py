@@ -1,6 +1,7 @@
-"""``stepgraph tune ARTIFACT --out FILE [--bins 1,2,4] [--quick] [--cublas-margin-us US |
---splitk-only]``: measure cuBLAS and split-K tactics for every projection shape (and gated MLP
-gate_up shape) and bin of an artifact on this machine's GPU and write a tactic table file (the
+"""``stepgraph tune ARTIFACT --out FILE [--bins 1,2,4] [--shapes 560x7168,...] [--quick]
+[--cublas-margin-us US | --splitk-only]``: measure cuBLAS and split-K tactics for every
+projection shape (and gated MLP gate_up shape; or only the ``--shapes`` named) and bin of an
+artifact on this machine's GPU and write a tactic table file (the
 format of ``stepgraph/data/tactics/h200.yaml``); cuBLAS is picked only where it is faster
 alone by more than the margin (default: the target table's ``pdl.cublas_break_us``).
 
@@ -28,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True,
                         help="table file to write, e.g. stepgraph/data/tactics/h200.measured.yaml")
     parser.add_argument("--bins", help="row counts to measure (default: the artifact's bins)")
+    parser.add_argument("--shapes", metavar="NxK[,NxK...]",
+                        help="measure only these per-rank weight shapes of the artifact, e.g. "
+                        "560x7168 (default: every projection shape; `stepgraph inspect "
+                        "--explain NODE` shows a node's)")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller tactic grid (split 1..4, 4 stages)")
     margin = parser.add_mutually_exclusive_group()
@@ -54,10 +59,29 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"560x7168,7168x448"`` -> [(560, 7168), (7168, 448)]; a one-line error otherwise."""
+    shapes = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        n, sep, k = part.lower().partition("x")
+        if not (sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+            raise UserError(f"--shapes {text!r}: expected comma-separated NxK weight shapes "
+                            "with positive sizes, e.g. 560x7168,7168x448")
+        shapes.append((int(n), int(k)))
+    if not shapes:
+        raise UserError("--shapes: give at least one NxK weight shape, e.g. 560x7168")
+    return shapes
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure, write the table, print the summary."""
     bins = parse_int_list(args.bins, "--bins") if args.bins else None
+    shapes = parse_shapes(args.shapes) if args.shapes is not None else None
     if args.step:
+        if shapes is not None:
+            raise UserError("--shapes belongs to the projection tuning, not to --step")
         return run_step(args, bins)
     if args.table:
         raise UserError("--table is the base table of --step; the projection tuning writes "
@@ -66,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     margin = math.inf if args.splitk_only else args.cublas_margin_us
     tuned = tune(args.artifact, args.out, bins=bins, quick=args.quick,
-                 show_progress=not args.no_progress, cublas_margin_us=margin)
+                 show_progress=not args.no_progress, cublas_margin_us=margin, shapes=shapes)
     print(summary(tuned))
     shapes = len({m.shape for m in tuned.measurements})
     print(f"wrote {args.out}: projection rows for {shapes} shapes")

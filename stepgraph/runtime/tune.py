@@ -90,6 +90,22 @@ def projection_shapes(graph: Graph) -> list[ProjShape]:
     return list(shapes.values())
 
 
+def select_shapes(shapes: Sequence[ProjShape], wanted: Sequence[tuple[int, int]] | None,
+                  artifact: str) -> list[ProjShape]:
+    """The ``shapes`` whose ``(n, k)`` is in ``wanted`` (all of them for None), in graph order;
+    a one-line error naming the artifact's shapes where one wanted is not among them."""
+    if wanted is None:
+        return list(shapes)
+    have = {(s.n, s.k): s for s in shapes}
+    missing = [f"{n}x{k}" for n, k in wanted if (n, k) not in have]
+    if missing:
+        known = ", ".join(f"{s.n}x{s.k}" for s in shapes)
+        raise UserError(f"--shapes: {', '.join(missing)} is not a projection weight shape of "
+                        f"{artifact}; its shapes: {known}")
+    chosen = set(wanted)
+    return [s for s in shapes if (s.n, s.k) in chosen]
+
+
 def candidate_tactics(rows: int, k: int, quick: bool = False) -> list[tuple[int, ...]]:
     """The split-K grid tried at ``rows``: m_tile 32 / 64 / 128 (64 / 128 when ``quick``),
     split 1..8 (while each split keeps at least two K tiles), stages 4 / 6 (4 only when
@@ -298,11 +314,13 @@ def margin_text(cublas_margin_us: float) -> str:
 
 def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None = None,
          quick: bool = False, show_progress: bool = True,
-         cublas_margin_us: float | None = None) -> TuneRun:
-    """Measure the projection shapes of an artifact at ``bins`` (default: its specialized
-    bins) and write the table file ``out``. ``cublas_margin_us``: how much faster alone a
-    cuBLAS launch must be to be picked (one breaks a PDL chain on both of its sides; default
-    the target table's ``pdl.cublas_break_us``, ``math.inf`` for split-K only)."""
+         cublas_margin_us: float | None = None,
+         shapes: Sequence[tuple[int, int]] | None = None) -> TuneRun:
+    """Measure the projection shapes of an artifact (or the ``(n, k)`` of ``shapes`` among
+    them) at ``bins`` (default: its specialized bins) and write the table file ``out``.
+    ``cublas_margin_us``: how much faster alone a cuBLAS launch must be to be picked (one
+    breaks a PDL chain on both of its sides; default the target table's
+    ``pdl.cublas_break_us``, ``math.inf`` for split-K only)."""
     if cublas_margin_us is not None and not cublas_margin_us >= 0:
         raise UserError(f"--cublas-margin-us {cublas_margin_us:g}: give a margin of 0 or more "
                         "microseconds")
@@ -323,13 +341,14 @@ def tune(artifact_path: str | Path, out: str | Path, bins: Sequence[int] | None 
     rows_list = sorted(set(bins or planned or deployment.get("batches", [])))
     if not rows_list or min(rows_list) < 1:
         raise UserError(f"--bins {rows_list}: give positive row counts")
-    shapes = projection_shapes(graph)
-    if not shapes:
+    all_shapes = projection_shapes(graph)
+    if not all_shapes:
         raise UserError(f"{artifact_path}: the plan has no projection to tune")
+    chosen = select_shapes(all_shapes, shapes, str(artifact_path))
     q = int(deployment.get("q", 1))
     gpu = torch.cuda.get_device_name(device)
     date = datetime.date.today().isoformat()
-    jobs = [(shape, rows) for shape in shapes for rows in rows_list]
+    jobs = [(shape, rows) for shape in chosen for rows in rows_list]
     results = []
     with torch.inference_mode(), progress(len(jobs), "tune", show_progress) as advance:
         for index, (shape, rows) in enumerate(jobs):

@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
     tuned = tune(args.artifact, args.out, bins=bins, quick=args.quick,
                  show_progress=not args.no_progress, cublas_margin_us=margin, shapes=shapes)
     print(summary(tuned))
-    shapes = len({m.shape for m in tuned.measurements})
-    print(f"wrote {args.out}: projection rows for {shapes} shapes")
+    measured = len({m.shape for m in tuned.measurements})
+    print(f"wrote {args.out}: projection rows for {measured} shapes")
     return 0
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from stepgraph.tactics import table_path
+from stepgraph.tactics import parse_weight_shape, table_path
 from stepgraph.tactics_variant import SECTIONS, VariantError, set_field, set_section_key
 
 
@@ -56,10 +56,10 @@ def write_variant(args: argparse.Namespace) -> int:
     data = yaml.safe_load(path.read_text())
     shapes = set()
     for shape in args.shape:
-        n, _, k = shape.partition("x")
-        if not (n.isdigit() and k.isdigit()):
+        parsed = parse_weight_shape(shape)
+        if parsed is None:
             raise VariantError(f"--shape {shape!r} is not NxK (e.g. 7168x1536)")
-        shapes.add((int(n), int(k)))
+        shapes.add(parsed)
     for setting in args.settings:
         key, _, value = setting.partition("=")
         op, _, field = key.partition(".")

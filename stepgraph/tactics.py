@@ -363,6 +363,15 @@ def _one_line(path: Path, error: ValidationError) -> str:
     return f"{path}: {key}: {message}"
 
 
+def parse_weight_shape(text: str) -> tuple[int, int] | None:
+    """``"560x7168"`` -> ``(560, 7168)``: a per-rank weight shape N x K as table rows match
+    it; None unless the text is NxK with positive sizes."""
+    n, sep, k = text.strip().lower().partition("x")
+    if not (sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+        return None
+    return int(n), int(k)
+
+
 # libyaml's safe loader where PyYAML was built with it (the same documents, ~8x faster on
 # the H200 table); the pure-Python one otherwise.
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

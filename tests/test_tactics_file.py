@@ -154,6 +154,22 @@ def test_a_variant_past_a_bins_end_names_the_fields_to_set_first(tmp_path: Path)
     assert all(row["bins"][1][8] == 16 for row in rows)
 
 
+@pytest.mark.parametrize("shape", ["7168x", "0x1536", "7168*1536"])
+def test_a_variant_refuses_a_shape_that_is_not_nxk(tmp_path: Path, shape: str) -> None:
+    """scripts/tactics_variant.py --shape: one error line, exit status 2, no file written
+    (the same setting at a well-formed shape goes through)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tactics_variant.py"
+    out = tmp_path / "variant.yaml"
+    refused = subprocess.run([sys.executable, str(script), "projection.stages=4", "--shape",
+                              shape, "-o", str(out)], capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert "is not NxK" in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
+    assert not out.exists()
+    done = subprocess.run([sys.executable, str(script), "projection.stages=4", "--shape",
+                           "7168x1536", "-o", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_section_key_is_typed_by_the_schema() -> None:
     """A section key is set as the table file's schema types it (a yes/no key from 0 / 1,
     also where the file leaves the key out); a key the schema does not hold as an integer

@@ -61,15 +61,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     """``"560x7168,7168x448"`` -> [(560, 7168), (7168, 448)]; a one-line error otherwise."""
+    from stepgraph.tactics import parse_weight_shape
+
     shapes = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        n, sep, k = part.lower().partition("x")
-        if not (sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+    for part in (p for p in text.split(",") if p.strip()):
+        shape = parse_weight_shape(part)
+        if shape is None:
             raise UserError(f"--shapes {text!r}: expected comma-separated NxK weight shapes "
                             "with positive sizes, e.g. 560x7168,7168x448")
-        shapes.append((int(n), int(k)))
+        shapes.append(shape)
     if not shapes:
         raise UserError("--shapes: give at least one NxK weight shape, e.g. 560x7168")
     return shapes

@@ -96,7 +96,7 @@ def select_shapes(shapes: Sequence[ProjShape], wanted: Sequence[tuple[int, int]]
     a one-line error naming the artifact's shapes where one wanted is not among them."""
     if wanted is None:
         return list(shapes)
-    have = {(s.n, s.k): s for s in shapes}
+    have = {(s.n, s.k) for s in shapes}
     missing = [f"{n}x{k}" for n, k in wanted if (n, k) not in have]
     if missing:
         known = ", ".join(f"{s.n}x{s.k}" for s in shapes)

@@ -13,6 +13,15 @@ from collections.abc import Sequence
 from stepgraph import __version__
 from stepgraph.errors import UserError
 
+DESCRIPTION = """Compile the decode step of a hybrid LLM (a model spec and a deployment) into an
+artifact: the step graph, a tactic per node and row bin, and one memory plan. Inspect it on
+any machine; run, tune and benchmark it on a GPU."""
+EPILOG = """typical use:
+  stepgraph compile models/kimi_k3.yaml --tp 8 -o k3.sgart
+  stepgraph inspect k3.sgart --summary
+  stepgraph bench k3.sgart --weights random        (on a GPU)
+
+`stepgraph COMMAND --help` describes each command."""
 COMMANDS = ("compile", "inspect", "dump", "schema", "run", "import_hf", "bench", "tune")
 
 
@@ -25,7 +34,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand."""
-    parser = _Parser(prog="stepgraph", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="stepgraph", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"stepgraph {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:

@@ -125,6 +125,21 @@ def test_schema_command() -> None:
     assert json.loads(result.stdout)["title"] == "Spec"
 
 
+def test_top_level_help_names_every_command_and_its_examples_parse() -> None:
+    from stepgraph.cli import build_parser
+
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("compile", "inspect", "dump", "schema", "run", "import-hf", "bench", "tune"):
+        assert f"    {command} " in result.stdout, command
+    assert "``" not in result.stdout and ":mod:" not in result.stdout
+    examples = [line.split("(")[0].split()[1:] for line in result.stdout.splitlines()
+                if line.startswith("  stepgraph ")]
+    assert len(examples) >= 3
+    for argv in examples:
+        assert build_parser().parse_args(argv).command == argv[0]
+
+
 def _error(result: subprocess.CompletedProcess[str]) -> str:
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         command = module.add_parser(sub)
+        if command.description is None:
+            # `stepgraph COMMAND --help` opens with the line the command list shows for it.
+            command.description = sub._choices_actions[-1].help
         command.set_defaults(handler=module.run)
     return parser
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -138,6 +139,12 @@ def test_top_level_help_names_every_command_and_its_examples_parse() -> None:
     assert len(examples) >= 3
     for argv in examples:
         assert build_parser().parse_args(argv).command == argv[0]
+    commands = next(action for action in build_parser()._actions
+                    if isinstance(action, argparse._SubParsersAction)).choices
+    for name, command in commands.items():
+        opening = command.format_help().split("\n\n")[1]
+        assert not opening.startswith(("positional", "options")), name
+        assert len(opening.split()) >= 4, (name, opening)
 
 
 def _error(result: subprocess.CompletedProcess[str]) -> str:

@@ -925,13 +925,18 @@ def test_tune_on_gpu(tmp_path: Path) -> None:
 
     tables = load_tables(target, path=out)
     rows = tables.data.tactics["projection"].rows
-    # The rows written now name the margin they used (the base table's own rows, some also
-    # "by stepgraph tune" from earlier runs, do not).
-    margin = f"cuBLAS where faster alone by more than {tables.data.pdl.cublas_break_us:g} us"
-    assert f"choices: {margin}" in result.stdout  # the target table's chain break by default
-    measured = [row for row in rows if margin in row.source]
+    # The rows written now are those the base table lacks (its own rows may carry the same
+    # "by stepgraph tune" and margin words: some were written by earlier runs and committed).
+    base_rows = load_tables(target).data.tactics["projection"].rows
+    measured = [row for row in rows if row not in base_rows]
     assert sorted((row.match["n"], row.match["k"]) for row in measured) == sorted(
         (s.n, s.k) for s in shapes), measured
+    margin = f"cuBLAS where faster alone by more than {tables.data.pdl.cublas_break_us:g} us"
+    assert f"choices: {margin}" in result.stdout  # the target table's chain break by default
+    card = torch.cuda.get_device_name()
+    for row in measured:
+        assert f"measured on {card}" in row.source and margin in row.source, row.source
+        assert set(row.bins) >= {1, 8}, row.bins
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from stepgraph import __version__
 from stepgraph.errors import UserError
@@ -32,11 +33,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see `{self.prog} --help`)\n")
 
 
+class _Commands(argparse._SubParsersAction):
+    """The subcommand action: a command's ``--help`` opens with its line in the command list
+    unless the command gives a description of its own."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        kwargs.setdefault("description", kwargs.get("help"))
+        return super().add_parser(name, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every subcommand."""
     parser = _Parser(prog="stepgraph", description=DESCRIPTION, epilog=EPILOG,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"stepgraph {__version__}")
+    parser.register("action", "parsers", _Commands)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name in COMMANDS:
         try:
@@ -46,9 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue
         command = module.add_parser(sub)
-        if command.description is None:
-            # `stepgraph COMMAND --help` opens with the line the command list shows for it.
-            command.description = sub._choices_actions[-1].help
         command.set_defaults(handler=module.run)
     return parser
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -126,8 +125,9 @@ def test_schema_command() -> None:
     assert json.loads(result.stdout)["title"] == "Spec"
 
 
-def test_top_level_help_names_every_command_and_its_examples_parse() -> None:
-    from stepgraph.cli import build_parser
+def test_top_level_help_names_every_command_and_its_examples_parse(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from stepgraph.cli import COMMANDS, build_parser
 
     result = run_cli("--help")
     assert result.returncode == 0
@@ -139,10 +139,10 @@ def test_top_level_help_names_every_command_and_its_examples_parse() -> None:
     assert len(examples) >= 3
     for argv in examples:
         assert build_parser().parse_args(argv).command == argv[0]
-    commands = next(action for action in build_parser()._actions
-                    if isinstance(action, argparse._SubParsersAction)).choices
-    for name, command in commands.items():
-        opening = command.format_help().split("\n\n")[1]
+    for name in (command.replace("_", "-") for command in COMMANDS):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([name, "--help"])
+        opening = capsys.readouterr().out.split("\n\n")[1]
         assert not opening.startswith(("positional", "options")), name
         assert len(opening.split()) >= 4, (name, opening)
 

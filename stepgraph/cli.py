@@ -23,7 +23,7 @@ EPILOG = """typical use:
   stepgraph bench k3.sgart --weights random        (on a GPU)
 
 `stepgraph COMMAND --help` describes each command."""
-COMMANDS = ("compile", "inspect", "dump", "schema", "run", "import_hf", "bench", "tune")
+COMMANDS = ("compile", "inspect", "diff", "dump", "schema", "run", "import_hf", "bench", "tune")
 
 
 class _Parser(argparse.ArgumentParser):

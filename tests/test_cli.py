@@ -38,6 +38,7 @@ def test_compile_path_never_imports_torch(tmp_path: Path) -> None:
         "from stepgraph.cli import main\n"
         f"assert main(['compile', {K3!r}, '--tp', '8', '-o', {str(tmp_path / 'a.sgart')!r}]) == 0\n"
         f"assert main(['inspect', {str(tmp_path / 'a.sgart')!r}, '--summary']) == 0\n"
+        f"assert main(['diff'] + [{str(tmp_path / 'a.sgart')!r}] * 2) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('NO_TORCH')\n"
     )

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT, run_cli
 
@@ -118,6 +119,25 @@ def test_inspect_graph_forms(k3_tp8: Path, form: str) -> None:
     result = run_cli("inspect", str(k3_tp8), "--format", form, "--layer", "3")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("digraph" if form == "dot" else "flowchart")
+
+
+@pytest.mark.parametrize("target", ["h200", "b200"])
+def test_compile_line_names_the_tactic_tables(tmp_path: Path, target: str) -> None:
+    """The line `compile` prints names the tables it compiled with, and says so where the
+    target has none of its own (a typo or a new GPU gets the portable path, not a silent
+    slow step)."""
+    result = run_cli("compile", TINY, "--target", target, "-o", str(tmp_path / "t.sgart"))
+    assert result.returncode == 0, result.stderr
+    if target == "h200":
+        version = yaml.safe_load((ROOT / "stepgraph/data/tactics/h200.yaml").read_text())[
+            "version"]
+        assert f"target h200 (tables {version})" in result.stdout
+        assert "no tactic table" not in result.stdout
+    else:
+        version = yaml.safe_load((ROOT / "stepgraph/data/tactics/default.yaml").read_text())[
+            "version"]
+        assert (f"target b200 (no tactic table of its own: the portable {version} tables"
+                in result.stdout)
 
 
 def test_schema_command() -> None:

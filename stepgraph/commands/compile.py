@@ -71,7 +71,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {report.name:<9} {report.seconds * 1000:7.1f} ms  {mark:<9} "
                   f"{report.summary}", file=sys.stderr)
     nodes = len(document["graph"]["nodes"])
+    tables = tables_note(deployment.target, document["graph"]["meta"].get("tactics", {}))
     print(f"wrote {args.output}: {spec.model.name} tp={deployment.tp} dcp={deployment.dcp} "
-          f"dep={deployment.dep} q={deployment.q}, {nodes} nodes, {size / 1e3:.1f} kB, "
-          f"hash {document['hash'][:12]} ({seconds:.2f} s)")
+          f"dep={deployment.dep} q={deployment.q}, {tables}, "
+          f"{nodes} nodes, {size / 1e3:.1f} kB, hash {document['hash'][:12]} "
+          f"({seconds:.2f} s)")
     return 0
+
+
+def tables_note(target: str, tables: dict[str, str]) -> str:
+    """The target and the tactic tables it compiled with (their own target and version, as
+    the bin pass recorded them), saying so where the target has no table of its own and got
+    the portable default (torch providers, no PDL)."""
+    own, version = tables.get("target", "?"), tables.get("version", "?")
+    if own == "default":
+        return (f"target {target} (no tactic table of its own: the portable {version} "
+                f"tables, torch providers, no PDL)")
+    return f"target {target} (tables {version}" + (f" of {own}" if own != target else "") + ")"

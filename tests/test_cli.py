@@ -138,6 +138,12 @@ def test_compile_line_names_the_tactic_tables(tmp_path: Path, target: str) -> No
             "version"]
         assert (f"target b200 (no tactic table of its own: the portable {version} tables"
                 in result.stdout)
+    summary = run_cli("inspect", str(tmp_path / "t.sgart"), "--summary").stdout
+    assert f"target {target} (" in summary and version in summary
+    data = json.loads(run_cli("inspect", str(tmp_path / "t.sgart"), "--format", "json",
+                              "--summary").stdout)
+    assert data["tables"]["version"] == version
+    assert data["tables"]["target"] == ("h200" if target == "h200" else "default")
 
 
 def test_schema_command() -> None:

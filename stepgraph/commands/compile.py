@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {report.name:<9} {report.seconds * 1000:7.1f} ms  {mark:<9} "
                   f"{report.summary}", file=sys.stderr)
     nodes = len(document["graph"]["nodes"])
+    from stepgraph.commands.views import tables_note
+
     tables = tables_note(deployment.target, document["graph"]["meta"].get("tactics", {}))
     print(f"wrote {args.output}: {spec.model.name} tp={deployment.tp} dcp={deployment.dcp} "
           f"dep={deployment.dep} q={deployment.q}, {tables}, "
@@ -78,13 +80,3 @@ def run(args: argparse.Namespace) -> int:
           f"({seconds:.2f} s)")
     return 0
 
-
-def tables_note(target: str, tables: dict[str, str]) -> str:
-    """The target and the tactic tables it compiled with (their own target and version, as
-    the bin pass recorded them), saying so where the target has no table of its own and got
-    the portable default (torch providers, no PDL)."""
-    own, version = tables.get("target", "?"), tables.get("version", "?")
-    if own == "default":
-        return (f"target {target} (no tactic table of its own: the portable {version} "
-                f"tables, torch providers, no PDL)")
-    return f"target {target} (tables {version}" + (f" of {own}" if own != target else "") + ")"

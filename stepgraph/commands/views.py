@@ -136,6 +136,8 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
             graph.node(name).op for name in side).items())),
             **{key: bool(streams.get(key)) for key in ("root_fork", "signal")}},
         "pdl": pdl_chain(graph),
+        "tables": {k: v for k, v in graph.meta.get("tactics", {}).items()
+                   if k in ("target", "version", "digest", "file")},
     }
 
 
@@ -159,6 +161,17 @@ def representative_weights(data: dict[str, Any]) -> list[tuple[str, list[dict[st
     return groups
 
 
+def tables_note(target: str, tables: dict[str, str]) -> str:
+    """The target and the tactic tables it compiled with (their own target and version, as
+    the bin pass recorded them), saying so where the target has no table of its own and got
+    the portable default (torch providers, no PDL)."""
+    own, version = tables.get("target", "?"), tables.get("version", "?")
+    if own == "default":
+        return (f"target {target} (no tactic table of its own: the portable {version} "
+                f"tables, torch providers, no PDL)")
+    return f"target {target} (tables {version}" + (f" of {own}" if own != target else "") + ")"
+
+
 def summary_text(data: dict[str, Any], path: str) -> str:
     """The human summary printed before the graph."""
     d = data["deployment"]
@@ -172,7 +185,8 @@ def summary_text(data: dict[str, Any], path: str) -> str:
         f" vocab {model['vocab_size']}, {model['dtype']}",
         f"layers     attention {attention}; mlp {mlp}",
         f"deployment tp={d['tp']} dcp={d['dcp']} dep={d['dep']} (world {data['world']}), "
-        f"q={d['q']}, bins {','.join(map(str, d['batches']))}, target {d['target']}",
+        f"q={d['q']}, bins {','.join(map(str, d['batches']))}, "
+        f"{tables_note(d['target'], data.get('tables', {}))}",
         f"launches   {data['launches']}: "
         + ", ".join(f"{n} {op}" for op, n in sorted(data["ops"].items(), key=lambda x: -x[1])),
         f"weights    {human_bytes(data['weight_bytes_per_rank'])} per rank in "

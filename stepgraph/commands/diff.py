@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Load both artifacts, print what differs; 0 if nothing does, else 1."""
     from stepgraph.artifact import load_artifact
-    from stepgraph.artifact_diff import diff_artifacts, diff_text
+    from stepgraph.commands.artifact_diff import diff_artifacts, diff_text
     from stepgraph.memory.arena import bin_rows
 
     a, b = load_artifact(args.a), load_artifact(args.b)

@@ -99,6 +99,19 @@ def test_a_flag_and_a_deployment_show_as_input_and_graph_changes(tmp_path: Path)
     assert "PDL chain 9 launches -> off" in text and "tp: 1 -> 2" in text
 
 
+def test_a_spec_edit_shows_as_its_path(tmp_path: Path) -> None:
+    """Another top_k in a copy of the spec: the diff names that one spec path, a -> b."""
+    text = (ROOT / TINY).read_text()
+    assert text.count("top_k: 2") == 1
+    edited = tmp_path / "tiny_top3.yaml"
+    edited.write_text(text.replace("top_k: 2", "top_k: 3"))
+    plain = _compile(TINY, tmp_path / "t.sgart")
+    other = _compile(str(edited), tmp_path / "e.sgart")
+    data = json.loads(_diff(plain, other, "--format", "json")[1])
+    assert data["inputs"]["spec"] == ["mlp.moe.top_k: 2 -> 3"]  # the spec's model section
+    assert data["inputs"]["deployment"] == [] and data["inputs"]["options"] == []
+
+
 @pytest.mark.parametrize("case", ["missing", "bin", "not an artifact"])
 def test_bad_input_is_one_line_and_status_2(rank: Path, tmp_path: Path, case: str) -> None:
     if case == "missing":

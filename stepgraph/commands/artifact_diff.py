@@ -110,19 +110,17 @@ def value_paths(a: Any, b: Any, path: str = "") -> list[str]:
         return lines
     if a == b:
         return []
-    return [f"{path}: {_show(a)} -> {_show(b)}"]
+    return [f"{path}: {a!r} -> {b!r}"]
 
 
 class _Missing:
+    """A key one side lacks; it reads ``(none)`` in a difference line."""
+
     def __repr__(self) -> str:
         return "(none)"
 
 
 _MISSING = _Missing()
-
-
-def _show(value: Any) -> str:
-    return "(none)" if value is _MISSING else repr(value)
 
 
 def choice_text(choice: dict[str, Any] | None) -> str:

@@ -52,6 +52,7 @@ def dump_hook(which: str, folder: Path, known: tuple[str, ...]):
 def run(args: argparse.Namespace) -> int:
     """Compile and write the artifact atomically."""
     from stepgraph.artifact import write_artifact
+    from stepgraph.commands.views import tables_note
     from stepgraph.compiler import compile_document
     from stepgraph.passes.pipeline import PASS_ORDER
 
@@ -71,12 +72,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {report.name:<9} {report.seconds * 1000:7.1f} ms  {mark:<9} "
                   f"{report.summary}", file=sys.stderr)
     nodes = len(document["graph"]["nodes"])
-    from stepgraph.commands.views import tables_note
-
     tables = tables_note(deployment.target, document["graph"]["meta"].get("tactics", {}))
     print(f"wrote {args.output}: {spec.model.name} tp={deployment.tp} dcp={deployment.dcp} "
           f"dep={deployment.dep} q={deployment.q}, {tables}, "
           f"{nodes} nodes, {size / 1e3:.1f} kB, hash {document['hash'][:12]} "
           f"({seconds:.2f} s)")
     return 0
-

@@ -9,15 +9,17 @@ change exactly what it was meant to change? Torch-free, like the rest of the com
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from stepgraph.artifact import Artifact
+from stepgraph.commands.views import bin_rows as bin_summaries
 from stepgraph.commands.views import pdl_chain
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.serialize import node_to_json, value_to_json
 from stepgraph.ir.types import Storage
 from stepgraph.memory.arena import bin_rows
+from stepgraph.passes.bin import choice_text
 from stepgraph.units import human_bytes
 
 SHOWN_NAMES = 4  # node names listed in a group of equal changes before "and N more"
@@ -43,9 +45,9 @@ class BinDiff:
     """One row bin both artifacts have: changed decisions, PDL chain, arena."""
 
     rows: int
-    decisions: list[DecisionChange] = field(default_factory=list)
-    in_chain: tuple[int | None, int | None] = (None, None)
-    arena_bytes: tuple[int | None, int | None] = (None, None)
+    decisions: list[DecisionChange]
+    in_chain: tuple[int | None, int | None]
+    arena_bytes: tuple[int | None, int | None]
 
     @property
     def differs(self) -> bool:
@@ -123,14 +125,6 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def choice_text(choice: dict[str, Any] | None) -> str:
-    """A node's choice at one bin as text: ``splitk m_tile=64 n_tile=8 split=2 stages=4``."""
-    if not choice:
-        return "(none)"
-    tactic = " ".join(f"{k}={v}" for k, v in (choice.get("tactic") or {}).items())
-    return f"{choice['provider']}{' ' + tactic if tactic else ''}"
-
-
 def _decision_changes(a: Graph, b: Graph, rows: int) -> list[DecisionChange]:
     decisions_a = a.meta.get("decisions", {})
     decisions_b = b.meta.get("decisions", {})
@@ -145,9 +139,9 @@ def _decision_changes(a: Graph, b: Graph, rows: int) -> list[DecisionChange]:
     return [DecisionChange(op, ca, cb, names) for (op, ca, cb), names in groups.items()]
 
 
-def _arena(graph: Graph, rows: int) -> int | None:
-    plan = graph.meta.get("memory", {}).get("bins", {}).get(str(rows))
-    return plan["arena_bytes"] if plan else None
+def _arenas(graph: Graph) -> dict[int, int]:
+    return {entry["rows"]: entry["memory"]["arena_bytes"] for entry in bin_summaries(graph)
+            if "memory" in entry}
 
 
 def _in_chain(chain: dict[str, Any], rows: int) -> int | None:
@@ -185,9 +179,10 @@ def diff_artifacts(a: Artifact, b: Artifact, only_bins: list[int] | None = None)
     if only_bins:
         common = [rows for rows in common if rows in only_bins]
     chain_a, chain_b = pdl_chain(a.graph), pdl_chain(b.graph)
+    arena_a, arena_b = _arenas(a.graph), _arenas(b.graph)
     bins = [BinDiff(rows, _decision_changes(a.graph, b.graph, rows),
                     (_in_chain(chain_a, rows), _in_chain(chain_b, rows)),
-                    (_arena(a.graph, rows), _arena(b.graph, rows))) for rows in common]
+                    (arena_a.get(rows), arena_b.get(rows))) for rows in common]
     return ArtifactDiff(
         hashes=(a.hash, b.hash),
         inputs=inputs,

@@ -210,6 +210,15 @@ def _stream_lines(graph: Graph, node: Node) -> list[str]:
     return []
 
 
+def choice_text(choice: dict[str, Any] | None) -> str:
+    """A node's decision at one bin as text: ``splitk m_tile=64 n_tile=8 split=2 stages=4``
+    (``(none)`` where it has none)."""
+    if not choice:
+        return "(none)"
+    tactic = " ".join(f"{k}={v}" for k, v in (choice.get("tactic") or {}).items())
+    return f"{choice['provider']}{' ' + tactic if tactic else ''}"
+
+
 def explain(graph: Graph, node_name: str) -> str:
     """A readable, multi-line explanation of ``node_name``'s decisions per bin (provider,
     tactic, reason with the table row), the caps that apply, and its PDL mark and prefetch
@@ -254,10 +263,9 @@ def explain(graph: Graph, node_name: str) -> str:
             else:
                 groups.append(([rows], choice))
         for bins, choice in groups:
-            tactic = " ".join(f"{k}={v}" for k, v in choice["tactic"].items())
             label = "bin " if len(bins) == 1 else "bins "
             head = f"  {label}{', '.join(bins)} rows" + (f" (q={q})" if q > 1 else "")
-            lines.append(f"{head}: {choice['provider']}{' ' + tactic if tactic else ''}")
+            lines.append(f"{head}: {choice_text(choice)}")
             lines.append(f"      why: {choice['reason']}")
     pdl = meta.get("pdl", {}).get(node.name)
     if pdl is not None:

@@ -134,5 +134,6 @@ def override_deployment(base: Deployment, **changes: object) -> Deployment:
         return Deployment.model_validate(data)
     except ValidationError as error:
         loc, message = first_error(error)
-        key = ".".join(str(p) for p in loc) or "deployment"
-        raise SpecError(f"deployment: {key}: {message}") from None
+        key = ".".join(str(p) for p in loc)
+        raise SpecError(f"deployment: {key}: {message}" if key else f"deployment: {message}"
+                        ) from None

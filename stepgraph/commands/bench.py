@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from stepgraph.commands.common import check_nproc, parse_int_list
+from stepgraph.commands.common import check_nproc, output_path, parse_int_list
 from stepgraph.errors import UserError
 
 MODE_FLAGS = {"eager": "eager", "compile": "torch_compile", "stepgraph": "stepgraph",
@@ -102,9 +102,7 @@ def options_from(args: argparse.Namespace, bins: list[int]):  # -> BenchOptions
     if args.device not in ("cuda", "cpu"):
         raise UserError(f"--device {args.device!r}: choose cuda (or cpu for a dry run)")
     if args.json:
-        folder = Path(args.json).parent
-        if not folder.is_dir():
-            raise UserError(f"--json {args.json}: folder {folder} does not exist")
+        output_path(args.json, "--json")
     return BenchOptions(
         batches=batches,
         replays=_positive(args.replays, "--replays"),

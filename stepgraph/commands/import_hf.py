@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from stepgraph.commands.common import output_path
 from stepgraph.errors import UserError
 
 
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         parse_spec_text(text, args.output)
     except UserError as error:
         raise UserError(f"the imported spec does not validate: {error}") from None
-    output = Path(args.output)
+    output = output_path(args.output, "-o")
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as error:

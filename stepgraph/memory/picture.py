@@ -11,10 +11,12 @@ and plan the graph themselves otherwise. matplotlib is optional and imported laz
 from __future__ import annotations
 
 import importlib.util
+import io
 import string
 from pathlib import Path
 from typing import Any
 
+from stepgraph.atomic_file import write_atomically
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.memory.arena import bin_rows, plan_memory
@@ -173,5 +175,7 @@ def _draw(graph: Graph, rows: int, memory: dict[str, Any], record: dict[str, Any
     axes.set_title(f"{graph.name}: arena plan, bin {rows} rows (temps colored by layer)")
     axes.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small")
     figure.subplots_adjust(left=0.06, right=0.88)
-    figure.savefig(path)
+    image = io.BytesIO()
+    figure.savefig(image, format=Path(path).suffix.lower().lstrip("."))
+    write_atomically(path, image.getvalue())
     return f"wrote {path}: " + _headline(rows, record, len(buffers))

@@ -10,9 +10,10 @@ launch without PDL starts the tables' ``launch_gap_us`` after its predecessor en
 launch starts as it ends (the gap hidden). PDL edges are flow events (``cat`` ``pdl``);
 forks are flow events (``cat`` ``fork``) from the launch they follow to their side slice.
 
-Bytes a launch moves: its weights (routed experts: the local experts expected to be touched
-under uniform routing), its row-sized operands at ``rows`` rows, the state slots it touches (read
-and written, one slot a request), and paged caches over ``context`` assumed tokens a request.
+Bytes a launch moves: the floor's accounting (:mod:`stepgraph.bench.floor`: weights as each
+launch reads them, the routed experts that uniform routing is expected to touch, states and
+paged caches over ``context`` assumed tokens a request, activations at ``rows`` rows), plus an
+L2 prefetch fork's own bytes on its slice.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from stepgraph.bench.floor import step_bytes, uniform_touched
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
-from stepgraph.ir.types import Storage, TensorType
 from stepgraph.memory.liveness import side_branches
 from stepgraph.passes.bin import tables_for
 from stepgraph.passes.pdl import is_collective, uses_pdl_at
@@ -32,59 +33,17 @@ from stepgraph.tactics import TacticTables
 MAIN_TID, PREFETCH_TID, PID = 1, 2, 1
 
 
-def _row_bytes(t: TensorType, rows: int) -> int | None:
-    """Bytes of ``t`` at ``rows`` rows, None if a non-row symbol sizes it."""
-    try:
-        return t.nbytes(rows)
-    except KeyError:
-        return None
-
-
-def _state_bytes(t: TensorType, requests: int, context: int) -> int:
-    """Bytes of a state a launch touches: slot states (leading ``S``) one slot a request,
-    read and written; paged caches (``NB``, ``BS``) ``context`` tokens a request."""
-    shape = t.shape
-    if shape and shape[0] == "S":
-        per_slot = TensorType(shape[1:], t.dtype).nbytes(1) if len(shape) > 1 else t.itemsize
-        return 2 * requests * per_slot
-    if len(shape) >= 2 and shape[0] == "NB" and shape[1] == "BS":
-        per_token = TensorType(shape[2:], t.dtype).nbytes(1) if len(shape) > 2 else t.itemsize
-        return requests * context * per_token
-    return 0
-
-
-def _touched_fraction(graph: Graph, node: Node, rows: int) -> float:
-    """The expected fraction of a routed-experts node's local experts that ``rows`` rows touch
-    under uniform routing: 1 - (1 - 1/experts) ** routes, routes = rows x top_k (x the DEP
-    ranks, whose rows all reach every rank's experts)."""
-    experts = int(node.attrs.get("experts", 1))
-    dep = int(graph.meta.get("deployment", {}).get("dep", 1))
-    routes = rows * int(node.attrs.get("top_k", 1)) * max(dep, 1)
-    return 1.0 - (1.0 - 1.0 / max(experts, 1)) ** routes
-
-
-def launch_bytes(graph: Graph, node: Node, rows: int, requests: int, context: int) -> int:
-    """The estimated bytes ``node`` moves at ``rows`` rows (see the module docstring)."""
-    total = 0
-    expert_weights = set(node.inputs[3:]) if node.op == "routed_experts" else set()
-    for name in dict.fromkeys((*node.inputs, *node.outputs)):
-        value = graph.values[name]
-        t = value.type
-        if value.storage is Storage.WEIGHT:
-            size = value.nbytes_static
-            if node.op == "prefetch":
-                size = 0  # counted from the fork's own byte ranges below
-            elif name in expert_weights:
-                size = int(size * _touched_fraction(graph, node, rows))
-            total += size
-        elif value.storage is Storage.STATE:
-            total += _state_bytes(t, requests, context)
-        else:
-            size = _row_bytes(t, rows)
-            total += size or 0
-    if node.op == "prefetch":
-        total += int(node.attrs.get("bytes", 0))
-    return total
+def launch_bytes(graph: Graph, rows: int, context: int) -> dict[str, int]:
+    """The estimated bytes each launch of bin ``rows`` moves, by node name: the floor's
+    accounting (:func:`stepgraph.bench.floor.step_bytes`) with the routed experts that uniform
+    routing is expected to touch, plus each L2 prefetch fork's own bytes (the floor counts
+    those at the launch they warm; here the fork's slice takes the time to stream them)."""
+    moved = step_bytes(graph, rows, context, touched=uniform_touched(graph, rows))
+    out = {launch.node: launch.total for launch in moved.launches}
+    for node in graph:
+        if node.op == "prefetch":
+            out[node.name] += int(node.attrs.get("bytes", 0))
+    return out
 
 
 def _duration_us(node: Node, moved: int, tables: TacticTables) -> tuple[float, str]:
@@ -133,8 +92,9 @@ def chrome_trace(graph: Graph, rows: int, tables: TacticTables | None = None,
     side_clock = 0.0  # end of the last side-stream launch
     previous: dict[str, Any] | None = None
     flow = 0
+    moved_by_node = launch_bytes(graph, rows, context)
     for node in graph:
-        moved = launch_bytes(graph, node, rows, requests, context)
+        moved = moved_by_node[node.name]
         duration, note = _duration_us(node, moved, tables)
         choice = decisions.get(node.name, {}).get(key, {})
         mark = marks.get(node.name, {})

@@ -8,7 +8,8 @@ are counted from the graph alone, per launch, in four categories:
   ``mla_value`` its W_UV rows). A weight two launches read counts twice (each launch reads it).
 * ``experts``: the routed experts' stacked weights, only the experts the routing touches:
   ``touched[node]`` distinct local experts when the caller measured them (the bench counts
-  them from the router's outputs of its run), else the compile-time upper bound
+  them from the router's outputs of its run) or estimated them (:func:`uniform_touched`,
+  the count uniform routing is expected to touch), else the compile-time upper bound
   ``min(local experts, rows x top_k)``.
 * ``cache``: state and cache bytes: a KDA request's recurrent and conv states read once and
   written back once per row; an MLA request's latent cache read over the ``context`` tokens
@@ -103,6 +104,24 @@ def touched_upper_bound(graph: Graph, node: Node, rows: int) -> int:
     return min(int(node.attrs["local_experts"]), reaching * int(node.attrs["top_k"]))
 
 
+def expected_touched(graph: Graph, node: Node, rows: int) -> float:
+    """The distinct local experts a routed-experts launch is expected to touch at ``rows``
+    rows under uniform routing: each row reaching the launch picks ``top_k`` distinct experts
+    of all ``experts``, so it misses a given one with probability 1 - top_k / experts:
+    local x (1 - (1 - top_k / experts) ** rows reaching). Exact at one row (top_k)."""
+    x = graph.values[node.inputs[0]]
+    reaching = eval_dim(x.type.shape[0], rows)
+    local = int(node.attrs["local_experts"])
+    share = int(node.attrs["top_k"]) / int(node.attrs.get("experts", local))
+    return local * (1.0 - (1.0 - share) ** reaching)
+
+
+def uniform_touched(graph: Graph, rows: int) -> dict[str, float]:
+    """:func:`expected_touched` of every routed-experts launch of ``graph``, by node name (the
+    ``touched`` argument of :func:`step_bytes` for an estimate made without a run)."""
+    return {node.name: expected_touched(graph, node, rows) for node in expert_nodes(graph)}
+
+
 class _Counter:
     """Per-launch accounting for one bin of one graph."""
 
@@ -160,7 +179,7 @@ def _kv_b_part(counter: _Counter, node: Node, weight: str, part: str) -> int:
     return counter.value(weight).nbytes_static * share // (nope + v)
 
 
-def launch_bytes(counter: _Counter, node: Node, touched: int | None) -> LaunchBytes:
+def launch_bytes(counter: _Counter, node: Node, touched: float | None) -> LaunchBytes:
     """The bytes of one launch (see the module docstring for what counts)."""
     c = counter
     base = {"node": node.name, "op": node.op, "layer": node.layer}
@@ -178,11 +197,9 @@ def launch_bytes(counter: _Counter, node: Node, touched: int | None) -> LaunchBy
         return LaunchBytes(**base, weights=c.rows * row_bytes, activations=activations)
     if op == "routed_experts":
         count = touched if touched is not None else touched_upper_bound(c.graph, node, c.rows)
-        experts = 0
-        for name in weights:
-            value = c.value(name)
-            experts += value.nbytes_static // int(value.type.shape[0]) * count
-        return LaunchBytes(**base, experts=experts, activations=activations)
+        per_expert = sum(c.value(name).nbytes_static // int(c.value(name).type.shape[0])
+                         for name in weights)
+        return LaunchBytes(**base, experts=round(per_expert * count), activations=activations)
     if op in ("mla_query", "mla_value"):
         kv_b = weights[-1] if op == "mla_query" else node.inputs[1]
         part = "k" if op == "mla_query" else "v"
@@ -212,12 +229,13 @@ def step_bytes(
     graph: Graph,
     rows: int,
     context: int,
-    touched: Mapping[str, int] | None = None,
+    touched: Mapping[str, float] | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> StepBytes:
     """The bytes of one step of ``graph`` at ``rows`` rows, each request attending over
     ``context`` cached tokens. ``touched`` maps routed-experts node names to the distinct
-    local experts the run's routing touched; nodes it omits use the upper bound."""
+    local experts the run's routing touched (or an estimate of them); nodes it omits use the
+    upper bound."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
     if context < 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -40,6 +41,7 @@ def test_compile_path_never_imports_torch(tmp_path: Path) -> None:
         f"assert main(['compile', {K3!r}, '--tp', '8', '-o', {str(tmp_path / 'a.sgart')!r}]) == 0\n"
         f"assert main(['inspect', {str(tmp_path / 'a.sgart')!r}, '--summary']) == 0\n"
         f"assert main(['diff'] + [{str(tmp_path / 'a.sgart')!r}] * 2) == 0\n"
+        f"assert main(['inspect', {str(tmp_path / 'a.sgart')!r}, '--floor']) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('NO_TORCH')\n"
     )
@@ -233,6 +235,80 @@ def test_error_bad_artifact(tmp_path: Path) -> None:
 def test_error_bad_layer_and_bin(k3_tp8: Path) -> None:
     assert "--layer 93" in _error(run_cli("inspect", str(k3_tp8), "--layer", "93"))
     assert "--bin 3" in _error(run_cli("inspect", str(k3_tp8), "--bin", "3", "--memory"))
+
+
+def test_inspect_checks_every_flag_before_it_prints(k3_tp8: Path, tmp_path: Path) -> None:
+    """A bad --layer, --bin or output path is refused before any line reaches stdout, and no
+    file is left where the path pointed."""
+    missing = tmp_path / "nope"
+    cases = {
+        ("--layer", "93"): "--layer 93: the model has layers 0..92",
+        ("--layer", "3", "--bin", "3"): "--bin 3: the artifact's bins are",
+        ("--trace", str(missing / "t.json")): f"folder {missing} does not exist",
+        ("--trace", str(tmp_path)): "is a folder",
+        ("--memory", str(missing / "a.png")): f"folder {missing} does not exist",
+        ("--memory", str(tmp_path / "a.txt")): "drawn as .png or .svg",
+    }
+    for flags, expected in cases.items():
+        result = run_cli("inspect", str(k3_tp8), *flags)
+        assert expected in _error(result), flags
+        assert result.stdout == "", flags
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_output_folders_are_checked_before_the_work(k3_tp8: Path, tmp_path: Path) -> None:
+    """run, bench, tune and import-hf refuse an output path in a missing folder up front (tune
+    and bench would otherwise fail only after minutes of GPU work)."""
+    missing = tmp_path / "nope"
+    cases = [
+        ("run", TINY, "--weights", "random", "--tokens", "1", "--logits-out",
+         str(missing / "l.npy")),
+        ("bench", str(k3_tp8), "--weights", "random", "--json", str(missing / "b.json")),
+        ("tune", str(k3_tp8), "--out", str(missing / "t.yaml")),
+    ]
+    for args in cases:
+        assert f"folder {missing} does not exist" in _error(run_cli(*args)), args[0]
+
+
+def test_a_deployment_flag_that_breaks_a_rule_names_it_once(tmp_path: Path) -> None:
+    line = _error(run_cli("compile", TINY, "--q", "3", "-o", str(tmp_path / "x.sgart")))
+    assert line.startswith("error: deployment: batch bins") and line.count("deployment:") == 1
+    assert "not multiples of q=3" in line
+
+
+def test_inspect_floor_counts_the_bytes_a_rank_step_moves(k3_tp8: Path) -> None:
+    """K3 at TP8, one rank: each of the 92 MoE layers holds 112 of the 896 experts, so one row
+    (top 16 of 896) is expected to touch 2 of them, each expert whole (gate_up 6144 x 3584 and
+    down 3584 x 3072 on the 3584-wide latent, bf16). The floor is the bytes over the h200
+    table's 4.8 TB/s, or over --bandwidth."""
+    result = run_cli("inspect", str(k3_tp8), "--floor", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["bandwidth_bytes_per_s"] == 4.8e12 and data["context"] == 4096
+    one = data["bins"][0]
+    per_expert = (6144 * 3584 + 3584 * 3072) * 2
+    assert one["rows"] == 1 and one["local_experts"] == 112
+    assert one["experts_touched"] == pytest.approx(2.0)
+    assert one["experts"] == 92 * 2 * per_expert
+    assert one["total"] == one["weights"] + one["experts"] + one["cache"] + one["activations"]
+    assert one["floor_us"] == pytest.approx(one["total"] / 4.8e12 * 1e6, abs=0.01)
+    assert [b["rows"] for b in data["bins"]] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(a["total"] < b["total"] for a, b in itertools.pairwise(data["bins"]))
+    assert sum(op["bytes"] for op in data["by_op"]["ops"]) == one["total"]
+    slower = json.loads(run_cli("inspect", str(k3_tp8), "--floor", "--format", "json",
+                                "--bandwidth", "2.4", "--context", "8192").stdout)
+    assert slower["bins"][0]["cache"] > one["cache"]  # the MLA layers read twice the tokens
+    assert slower["bins"][0]["floor_us"] == pytest.approx(
+        slower["bins"][0]["total"] / 2.4e12 * 1e6, abs=0.01)
+    summary = json.loads(run_cli("inspect", str(k3_tp8), "--summary", "--format", "json").stdout)
+    assert [b["rows"] for b in summary["floor"]["bins"]] == [1, 64]
+    assert summary["floor"]["bins"][0]["bytes"] == one["total"]
+    assert "floor      rows 1: " in run_cli("inspect", str(k3_tp8), "--summary").stdout
+    text = run_cli("inspect", str(k3_tp8), "--floor", "--bin", "64").stdout
+    assert "bin 64: where the floor goes" in text and "routed_experts     92 x" in text
+    for flags, expected in ((("--bandwidth", "0"), "--bandwidth 0: give the bandwidth"),
+                            (("--context", "0"), "--context 0: give the cached tokens")):
+        assert expected in _error(run_cli("inspect", str(k3_tp8), "--floor", *flags))
 
 
 def test_error_unknown_pass(tmp_path: Path) -> None:

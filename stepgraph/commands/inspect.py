@@ -1,11 +1,14 @@
 """``stepgraph inspect FILE``: a summary of a compiled step, then its graph; or one view of it
-(``--explain NODE``, ``--memory``, ``--trace FILE``)."""
+(``--explain NODE``, ``--memory``, ``--trace FILE``, ``--floor``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
+from stepgraph.atomic_file import write_atomically
+from stepgraph.commands.common import output_path
 from stepgraph.errors import UserError
 
 
@@ -26,6 +29,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "or an ASCII map when PICTURE is omitted")
     parser.add_argument("--trace", metavar="FILE",
                         help="write a Chrome/Perfetto trace JSON of one bin's launches")
+    parser.add_argument("--floor", action="store_true",
+                        help="the roofline floor of every bin (bytes a step moves / HBM "
+                             "bandwidth) and one bin's bytes by op")
+    parser.add_argument("--context", type=int, default=4096,
+                        help="with --floor: cached tokens a request (default 4096)")
+    parser.add_argument("--bandwidth", type=float, metavar="TBPS",
+                        help="with --floor: HBM bandwidth in TB/s (default: the target "
+                             "table's datasheet peak)")
     return parser
 
 
@@ -40,13 +51,41 @@ def _bin(graph, requested: int | None) -> int:
     return requested
 
 
+def _picture_path(text: str) -> str | None:
+    """``--memory``'s PICTURE: None for the ASCII map, else a checked .png / .svg path."""
+    from stepgraph.memory.picture import IMAGE_SUFFIXES
+
+    if text == "-":
+        return None
+    if Path(text).suffix.lower() not in IMAGE_SUFFIXES:
+        raise UserError(f"--memory {text}: the picture is drawn as "
+                        f"{' or '.join(sorted(IMAGE_SUFFIXES))}; leave PICTURE out for an "
+                        "ASCII map on stdout")
+    return str(output_path(text, "--memory"))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print what was asked."""
+    """Print what was asked; every flag is checked before anything is printed or written."""
     from stepgraph.artifact import load_artifact
-    from stepgraph.commands.views import decision_note, render_graph, summary_data, summary_text
+    from stepgraph.commands.views import (
+        check_layers,
+        decision_note,
+        render_graph,
+        summary_data,
+        summary_text,
+    )
 
     artifact = load_artifact(args.artifact)
     graph = artifact.graph
+    rows = _bin(graph, args.bin_rows)
+    check_layers(graph, args.layer)
+    if args.floor:
+        from stepgraph.commands.floor_view import floor_data, format_floor, step_title
+
+        floor = floor_data(graph, args.context, args.bandwidth, rows)
+        print(json.dumps(floor, indent=1, sort_keys=True) if args.format == "json"
+              else format_floor(floor, step_title(graph)))
+        return 0
     if args.explain:
         from stepgraph.passes.bin import explain
 
@@ -55,15 +94,14 @@ def run(args: argparse.Namespace) -> int:
     if args.memory is not None:
         from stepgraph.memory.picture import render_memory
 
-        path = None if args.memory == "-" else args.memory
-        print(render_memory(graph, _bin(graph, args.bin_rows), path))
+        print(render_memory(graph, rows, _picture_path(args.memory)))
         return 0
     if args.trace:
         from stepgraph.trace import chrome_trace
 
-        trace = chrome_trace(graph, _bin(graph, args.bin_rows))
-        with open(args.trace, "w", encoding="utf-8") as file:
-            json.dump(trace, file)
+        path = output_path(args.trace, "--trace")
+        trace = chrome_trace(graph, rows)
+        write_atomically(path, json.dumps(trace).encode("utf-8"))
         print(f"wrote {args.trace}: {len(trace['traceEvents'])} events "
               f"(open in https://ui.perfetto.dev or chrome://tracing)")
         return 0
@@ -82,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(summary_text(data, args.artifact))
     if not args.summary:
-        rows = _bin(graph, args.bin_rows)
         note = decision_note(graph, rows) if args.bin_rows is not None else None
         print()
         print(render_graph(graph, "text", args.layer, annotate=note))

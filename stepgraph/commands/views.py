@@ -6,6 +6,7 @@ import json
 from collections import Counter
 from typing import Any
 
+from stepgraph.commands.floor_view import summary_floor, summary_floor_line
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
 from stepgraph.ir.ops import OPS
@@ -17,17 +18,20 @@ from stepgraph.passes.pdl import uses_pdl_at
 from stepgraph.units import human_bytes
 
 
+def check_layers(graph: Graph, layers: list[int] | None) -> None:
+    """A one-line error when ``--layer`` names a layer the model does not have."""
+    missing = sorted(set(layers or ()) - set(graph.layers()))
+    if missing:
+        from stepgraph.errors import UserError
+
+        raise UserError(f"--layer {missing[0]}: the model has layers 0..{max(graph.layers())}")
+
+
 def render_graph(graph: Graph, form: str, layers: list[int] | None,
                  annotate: Any = None) -> str:
     """The graph in ``form`` (text, json, dot, mermaid), optionally only some layers."""
+    check_layers(graph, layers)
     chosen = set(layers) if layers else None
-    if chosen is not None:
-        missing = chosen - set(graph.layers())
-        if missing:
-            from stepgraph.errors import UserError
-
-            raise UserError(f"--layer {sorted(missing)[0]}: the model has layers "
-                            f"0..{max(graph.layers())}")
     if form == "text":
         return format_graph(graph, chosen, annotate=annotate)
     if form == "dot":
@@ -138,6 +142,7 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
         "pdl": pdl_chain(graph),
         "tables": {k: v for k, v in graph.meta.get("tactics", {}).items()
                    if k in ("target", "version", "digest", "file")},
+        "floor": summary_floor(graph),
     }
 
 
@@ -212,6 +217,8 @@ def summary_text(data: dict[str, Any], path: str) -> str:
                      + ("; an empty launch forked there at the root" if streams.get("root_fork")
                         else ""))
     lines.extend(pdl_lines(data.get("pdl", {})))
+    if data.get("floor", {}).get("bins"):
+        lines.append(summary_floor_line(data["floor"]))
     planned = [b for b in data["bins"] if "memory" in b]
     if planned:
         lines.append("memory     rows    arena      lower bound  naive      arena/lb")

@@ -199,6 +199,12 @@ def test_pickle_checkpoints_are_refused(tmp_path) -> None:
         load_weights(GRAPH, tmp_path)
 
 
+def test_a_file_that_is_not_safetensors_is_one_line(tmp_path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(UserError, match=r"model.safetensors: not a readable safetensors file"):
+        load_weights(GRAPH, tmp_path)
+
+
 def test_random_weights_are_seeded_and_scaled() -> None:
     a = random_weights(GRAPH, seed=1, dtype=torch.float32)
     b = random_weights(GRAPH, seed=1, dtype=torch.float32)

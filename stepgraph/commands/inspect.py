@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     rows = _bin(graph, args.bin_rows)
     check_layers(graph, args.layer)
     if args.floor:
+        if args.format not in ("text", "json"):
+            raise UserError(f"--floor --format {args.format}: the floor prints as text or json")
         from stepgraph.commands.floor_view import floor_data, format_floor, step_title
 
         floor = floor_data(graph, args.context, args.bandwidth, rows)

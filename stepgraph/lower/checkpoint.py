@@ -79,7 +79,7 @@ class CheckpointReader:
                     "to safetensors)") if pickled else ""
             raise UserError(f"{path}: no *.safetensors files{hint}")
         for file in files:
-            with self._open(str(file), framework="pt") as handle:
+            with self._open_file(file) as handle:
                 for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                     self.where[name] = file
         self._handles: dict[Path, Any] = {}
@@ -105,9 +105,19 @@ class CheckpointReader:
             raise UserError(f"tensor {name}: its shard {file} is missing")
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._open(str(file), framework="pt")
+            handle = self._open_file(file)
             self._handles[file] = handle
         return handle.get_tensor(name)
+
+    def _open_file(self, file: Path) -> Any:
+        """``safe_open`` of one file; a one-line error when it is not a safetensors file."""
+        from safetensors import SafetensorError
+
+        try:
+            return self._open(str(file), framework="pt")
+        except (SafetensorError, OSError) as error:
+            raise UserError(f"{file}: not a readable safetensors file ({error}); save the "
+                            "checkpoint again, or point --weights at another") from None
 
 
 def leaf_candidates(logical: str) -> list[str]:

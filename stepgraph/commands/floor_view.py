@@ -51,13 +51,15 @@ def bandwidth_of(graph: Graph, tbps: float | None) -> tuple[float, str]:
     return tables.hardware.hbm_bytes_per_s, f"{tables.label} hardware.hbm_bytes_per_s"
 
 
-def bin_floors(graph: Graph, context: int, bandwidth: float) -> list[BinFloor]:
-    """The floor of every compiled bin at ``context`` cached tokens a request."""
+def bin_floors(graph: Graph, context: int, bandwidth: float,
+               bins: list[int] | None = None) -> list[BinFloor]:
+    """The floor of each of ``bins`` (default: every compiled bin) at ``context`` cached
+    tokens a request."""
     if context < 1:
         raise UserError(f"--context {context}: give the cached tokens a request, at least 1")
     experts = expert_nodes(graph)
     floors = []
-    for rows in bin_rows(graph):
+    for rows in bins if bins is not None else bin_rows(graph):
         touched = uniform_touched(graph, rows)
         moved = step_bytes(graph, rows, context, touched=touched)
         first = experts[0].name if experts else None
@@ -76,14 +78,10 @@ def summary_floor(graph: Graph, context: int = 4096) -> dict[str, Any]:
     (``inspect --format json``'s ``floor`` key; ``--floor`` shows every bin)."""
     bandwidth, source = bandwidth_of(graph, None)
     bins = bin_rows(graph)
-    shown = sorted({bins[0], bins[-1]})
-    rows_data = []
-    for rows in shown:
-        moved = step_bytes(graph, rows, context, touched=uniform_touched(graph, rows))
-        rows_data.append({"rows": rows, "bytes": moved.total,
-                          "floor_us": round(moved.floor_us(bandwidth), 2)})
-    return {"bandwidth_bytes_per_s": bandwidth, "bandwidth_source": source,
-            "context": context, "bins": rows_data}
+    floors = bin_floors(graph, context, bandwidth, sorted({bins[0], bins[-1]}))
+    return {"bandwidth_bytes_per_s": bandwidth, "bandwidth_source": source, "context": context,
+            "bins": [{"rows": f.rows, "bytes": f.moved.total, "floor_us": round(f.floor_us, 2)}
+                     for f in floors]}
 
 
 def summary_floor_line(floor: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="with --floor: cached tokens a request (default 4096)")
     parser.add_argument("--bandwidth", type=float, metavar="TBPS",
                         help="with --floor: HBM bandwidth in TB/s (default: the target "
-                             "table's datasheet peak)")
+                             "table's hbm_bytes_per_s, a datasheet peak)")
     return parser
 
 

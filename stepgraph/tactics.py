@@ -386,6 +386,8 @@ def load_tables(target: str, path: str | Path | None = None) -> TacticTables:
     file = Path(path) if path is not None else table_path(target)
     try:
         raw = file.read_bytes()
+    except FileNotFoundError:
+        raise TacticsError(f"{file}: no such tactic table file") from None
     except OSError as error:
         raise TacticsError(f"{file}: cannot read the tactic tables "
                            f"({type(error).__name__})") from None

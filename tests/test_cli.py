@@ -226,6 +226,14 @@ def test_error_missing_output_folder(tmp_path: Path) -> None:
     assert "does not exist" in line
 
 
+def test_error_missing_tactics_file(tmp_path: Path) -> None:
+    missing = tmp_path / "mine.yaml"
+    line = _error(run_cli("compile", TINY, "--tactics", str(missing), "-o",
+                          str(tmp_path / "x.sgart")))
+    assert line == f"error: {missing}: no such tactic table file"
+    assert not (tmp_path / "x.sgart").exists()
+
+
 def test_error_bad_artifact(tmp_path: Path) -> None:
     junk = tmp_path / "junk.sgart"
     junk.write_text("hello")

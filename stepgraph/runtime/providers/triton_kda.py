@@ -26,6 +26,7 @@ slot of the state pool, which the runtime allocates for padded rows). Scratch te
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -302,7 +303,10 @@ def _fla_forward() -> Callable[..., Any] | None:
     here: the function itself, unwrapped from fla's backend dispatch (which could route to
     another backend) and its torch.compile guard."""
     try:
-        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        with warnings.catch_warnings():
+            # fla-core warns at import on a machine without a GPU; the provider is CUDA-only
+            warnings.filterwarnings("ignore", message="Triton is not supported on current")
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     except Exception:  # fla-core missing or broken here: no fla provider
         return None
     function = inspect.unwrap(fused_recurrent_kda_fwd)

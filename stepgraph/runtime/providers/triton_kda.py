@@ -25,6 +25,8 @@ slot of the state pool, which the runtime allocates for padded rows). Scratch te
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import inspect
 import warnings
 from collections.abc import Callable
@@ -270,8 +272,11 @@ def _fla_recurrence(ops: KdaOperands, work: KdaScratch, fla_slots: torch.Tensor,
         use_beta_sigmoid_in_kernel=False, out=work.o.view(shape),
     )
 
+    forward = fla_forward()
+    assert forward is not None, "the fla factory declines when fla-core is unusable"
+
     def run() -> None:
-        FLA_FORWARD(**kwargs)  # type: ignore[misc]
+        forward(**kwargs)
 
     return run
 
@@ -282,6 +287,9 @@ FLA_MIN_HEAD_DIM = 64
 def _factory(recurrence: str) -> Callable[[PrepareContext], Launch]:
     def factory(ctx: PrepareContext) -> Launch:
         dim = int(ctx.node.attrs["head_dim"])
+        if recurrence == "fla" and fla_forward() is None:
+            raise Declined(f"fla-core's fused_recurrent_kda_fwd does not import here or lacks "
+                           f"the keywords {', '.join(FLA_KEYWORDS)} (fla-core 0.6.0 has them)")
         if recurrence == "fla" and dim < FLA_MIN_HEAD_DIM and ctx.device.type == "cuda":
             raise Declined(f"fla's fused_recurrent_kda gave wrong outputs at head_dim {dim} on "
                            f"the H200 (2026-11-30); it is used from head_dim "
@@ -298,10 +306,13 @@ register("kda_core", "triton", DEVICES, "conv/gate prep + delta rule + gated RMS
     _factory("triton"))
 
 
-def _fla_forward() -> Callable[..., Any] | None:
+@functools.cache
+def fla_forward() -> Callable[..., Any] | None:
     """fla-core's Triton ``fused_recurrent_kda_fwd`` when importable with the keywords used
     here: the function itself, unwrapped from fla's backend dispatch (which could route to
-    another backend) and its torch.compile guard."""
+    another backend) and its torch.compile guard. Imported on first use: importing fla-core
+    compiles hundreds of Triton functions' sources (~7 s), which a run that never prepares
+    this provider (any CPU run) should not pay."""
     try:
         with warnings.catch_warnings():
             # fla-core warns at import on a machine without a GPU; the provider is CUDA-only
@@ -311,14 +322,14 @@ def _fla_forward() -> Callable[..., Any] | None:
         return None
     function = inspect.unwrap(fused_recurrent_kda_fwd)
     params = inspect.signature(function).parameters
-    needed = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out",
-              "use_gate_in_kernel", "use_beta_sigmoid_in_kernel")
-    if not all(name in params for name in needed):
+    if not all(name in params for name in FLA_KEYWORDS):
         return None
     return function
 
 
-FLA_FORWARD = _fla_forward()
-if FLA_FORWARD is not None:
+FLA_KEYWORDS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state", "out",
+                "use_gate_in_kernel", "use_beta_sigmoid_in_kernel")
+
+if importlib.util.find_spec("fla") is not None:
     register("kda_core", "fla_fused_recurrent", DEVICES,
              "our prep/norm kernels around fla-core's fused_recurrent_kda")(_factory("fla"))

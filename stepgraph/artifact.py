@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stepgraph import __version__
-from stepgraph.atomic_file import write_atomically
+from stepgraph.atomic_file import writable_path, write_atomically
 from stepgraph.errors import ArtifactError
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.serialize import graph_from_json, graph_to_json
@@ -104,11 +104,8 @@ def encode(document: dict[str, Any]) -> bytes:
 def write_artifact(document: dict[str, Any], path: str | Path) -> int:
     """Write atomically (no partial file is left if the process dies midway); returns the
     file's size in bytes."""
-    path = Path(path)
+    path = writable_path(path)
     data = encode(document)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise ArtifactError(f"{path}: folder {folder} does not exist")
     write_atomically(path, data)
     return len(data)
 

@@ -9,6 +9,22 @@ import os
 import tempfile
 from pathlib import Path
 
+from stepgraph.errors import UserError
+
+
+def writable_path(path: str | Path, flag: str | None = None) -> Path:
+    """``path`` checked for writing before any work is done: a one-line error (naming the
+    command-line ``flag`` that gave it, when one did) if its folder does not exist or the
+    path is a folder."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    named = f"{flag} {path}" if flag else str(path)
+    if not folder.is_dir():
+        raise UserError(f"{named}: folder {folder} does not exist")
+    if path.is_dir():
+        raise UserError(f"{named}: is a folder; name a file in it")
+    return path
+
 
 def write_atomically(path: str | Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` (the folder must exist)."""

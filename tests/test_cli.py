@@ -305,7 +305,9 @@ def test_inspect_floor_counts_the_bytes_a_rank_step_moves(k3_tp8: Path) -> None:
     assert sum(op["bytes"] for op in data["by_op"]["ops"]) == one["total"]
     slower = json.loads(run_cli("inspect", str(k3_tp8), "--floor", "--format", "json",
                                 "--bandwidth", "2.4", "--context", "8192").stdout)
-    assert slower["bins"][0]["cache"] > one["cache"]  # the MLA layers read twice the tokens
+    # the 24 MLA layers each read 4096 more cached tokens of 512 + 64 BF16 latent values
+    assert slower["bins"][0]["cache"] > one["cache"]
+    assert slower["bins"][0]["cache"] - one["cache"] == 24 * 4096 * 576 * 2
     assert slower["bins"][0]["floor_us"] == pytest.approx(
         slower["bins"][0]["total"] / 2.4e12 * 1e6, abs=0.01)
     summary = json.loads(run_cli("inspect", str(k3_tp8), "--summary", "--format", "json").stdout)

@@ -17,7 +17,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from stepgraph.commands.common import check_nproc, output_path, parse_int_list
+from stepgraph.atomic_file import writable_path
+from stepgraph.commands.common import check_nproc, parse_int_list
 from stepgraph.errors import UserError
 
 MODE_FLAGS = {"eager": "eager", "compile": "torch_compile", "stepgraph": "stepgraph",
@@ -102,7 +103,7 @@ def options_from(args: argparse.Namespace, bins: list[int]):  # -> BenchOptions
     if args.device not in ("cuda", "cpu"):
         raise UserError(f"--device {args.device!r}: choose cuda (or cpu for a dry run)")
     if args.json:
-        output_path(args.json, "--json")
+        writable_path(args.json, "--json")
     return BenchOptions(
         batches=batches,
         replays=_positive(args.replays, "--replays"),

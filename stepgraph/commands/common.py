@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from stepgraph.errors import UserError
 from stepgraph.spec import Deployment, Spec
@@ -19,18 +18,6 @@ def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
     if not values:
         raise UserError(f"{flag}: give at least one integer")
     return values
-
-
-def output_path(text: str, flag: str) -> Path:
-    """The file a flag names for writing, checked before any work is done: a one-line error
-    when its folder does not exist or the path is a folder."""
-    path = Path(text)
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise UserError(f"{flag} {text}: folder {folder} does not exist")
-    if path.is_dir():
-        raise UserError(f"{flag} {text}: is a folder; name a file in it")
-    return path
 
 
 def check_nproc(graph, nproc: int | None) -> int:  # graph: stepgraph.ir.graph.Graph

@@ -21,6 +21,7 @@ from stepgraph.bench.floor import (
     step_bytes,
     uniform_touched,
 )
+from stepgraph.bench.table import floor_bar
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.memory.arena import bin_rows
@@ -58,15 +59,15 @@ def bin_floors(graph: Graph, context: int, bandwidth: float,
     if context < 1:
         raise UserError(f"--context {context}: give the cached tokens a request, at least 1")
     experts = expert_nodes(graph)
+    first = experts[0] if experts else None
     floors = []
     for rows in bins if bins is not None else bin_rows(graph):
         touched = uniform_touched(graph, rows)
         moved = step_bytes(graph, rows, context, touched=touched)
-        first = experts[0].name if experts else None
         floors.append(BinFloor(
             rows=rows,
-            touched=touched[first] if first else 0.0,
-            local_experts=int(experts[0].attrs["local_experts"]) if experts else 0,
+            touched=touched[first.name] if first else 0.0,
+            local_experts=int(first.attrs["local_experts"]) if first else 0,
             moved=moved,
             floor_us=moved.floor_us(bandwidth),
         ))
@@ -156,7 +157,7 @@ def format_floor(data: dict[str, Any], title: str) -> str:
     width = max(len(op["op"]) for op in ops) if ops else 0
     for op in ops:
         share = op["bytes"] / total
-        bar = "#" * round(share * BAR_WIDTH)
+        bar = floor_bar(share, BAR_WIDTH).rstrip()
         lines.append(f"  {op['op']:<{width}}  {op['launches']:>5} x  "
                      f"{format_bytes(op['bytes']):>10}  {share:>6.1%}  {bar}")
     lines.append("Measured floors and step times: `stepgraph bench ARTIFACT --weights random` "

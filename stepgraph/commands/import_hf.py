@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stepgraph.commands.common import output_path
+from stepgraph.atomic_file import writable_path
 from stepgraph.errors import UserError
 
 
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         parse_spec_text(text, args.output)
     except UserError as error:
         raise UserError(f"the imported spec does not validate: {error}") from None
-    output = output_path(args.output, "-o")
+    output = writable_path(args.output, "-o")
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as error:

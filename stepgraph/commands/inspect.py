@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
-from stepgraph.atomic_file import write_atomically
-from stepgraph.commands.common import output_path
+from stepgraph.atomic_file import writable_path, write_atomically
 from stepgraph.errors import UserError
 
 
@@ -51,19 +49,6 @@ def _bin(graph, requested: int | None) -> int:
     return requested
 
 
-def _picture_path(text: str) -> str | None:
-    """``--memory``'s PICTURE: None for the ASCII map, else a checked .png / .svg path."""
-    from stepgraph.memory.picture import IMAGE_SUFFIXES
-
-    if text == "-":
-        return None
-    if Path(text).suffix.lower() not in IMAGE_SUFFIXES:
-        raise UserError(f"--memory {text}: the picture is drawn as "
-                        f"{' or '.join(sorted(IMAGE_SUFFIXES))}; leave PICTURE out for an "
-                        "ASCII map on stdout")
-    return str(output_path(text, "--memory"))
-
-
 def run(args: argparse.Namespace) -> int:
     """Print what was asked; every flag is checked before anything is printed or written."""
     from stepgraph.artifact import load_artifact
@@ -96,12 +81,12 @@ def run(args: argparse.Namespace) -> int:
     if args.memory is not None:
         from stepgraph.memory.picture import render_memory
 
-        print(render_memory(graph, rows, _picture_path(args.memory)))
+        print(render_memory(graph, rows, None if args.memory == "-" else args.memory))
         return 0
     if args.trace:
         from stepgraph.trace import chrome_trace
 
-        path = output_path(args.trace, "--trace")
+        path = writable_path(args.trace, "--trace")
         trace = chrome_trace(graph, rows)
         write_atomically(path, json.dumps(trace).encode("utf-8"))
         print(f"wrote {args.trace}: {len(trace['traceEvents'])} events "

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from stepgraph.commands.common import check_nproc, output_path, parse_int_list
+from stepgraph.atomic_file import writable_path
+from stepgraph.commands.common import check_nproc, parse_int_list
 from stepgraph.errors import UserError
 
 
@@ -75,7 +76,7 @@ def is_spec(path: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     """Load, run, save."""
     prompts = [list(parse_int_list(text, "--tokens")) for text in args.tokens]
-    output = output_path(args.logits_out, "--logits-out")
+    output = writable_path(args.logits_out, "--logits-out")
     if not is_spec(args.spec):
         return run_artifact(args, prompts, output)
     if args.nproc not in (None, 1):

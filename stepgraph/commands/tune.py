@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from stepgraph.commands.common import output_path, parse_int_list
+from stepgraph.atomic_file import writable_path
+from stepgraph.commands.common import parse_int_list
 from stepgraph.errors import UserError
 
 
@@ -77,7 +78,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def run(args: argparse.Namespace) -> int:
     """Measure, write the table, print the summary."""
-    output_path(args.out, "--out")
+    writable_path(args.out, "--out")
     bins = parse_int_list(args.bins, "--bins") if args.bins else None
     shapes = parse_shapes(args.shapes) if args.shapes is not None else None
     if args.step:

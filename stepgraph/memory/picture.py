@@ -16,7 +16,7 @@ import string
 from pathlib import Path
 from typing import Any
 
-from stepgraph.atomic_file import write_atomically
+from stepgraph.atomic_file import writable_path, write_atomically
 from stepgraph.errors import UserError
 from stepgraph.ir.graph import Graph
 from stepgraph.memory.arena import bin_rows, plan_memory
@@ -76,12 +76,18 @@ def memory_summary(graph: Graph) -> list[dict[str, Any]]:
 
 
 def render_memory(graph: Graph, rows: int, path: str | None = None, width: int = 64) -> str:
-    """Picture bin ``rows``'s plan. With ``path`` ending in .png or .svg and matplotlib
-    installed: draw it there and return a one-line description. Otherwise: return an ASCII
-    map (``width`` columns for the arena), prefixed by a note when an image was asked for
-    but matplotlib is missing."""
+    """Picture bin ``rows``'s plan. With ``path`` (a .png or .svg in an existing folder, else
+    a one-line error) and matplotlib installed: draw it there and return a one-line
+    description. Otherwise: return an ASCII map (``width`` columns for the arena), prefixed
+    by a note when an image was asked for but matplotlib is missing."""
+    if path is not None:
+        if Path(path).suffix.lower() not in IMAGE_SUFFIXES:
+            raise UserError(f"--memory {path}: the picture is drawn as "
+                            f"{' or '.join(IMAGE_SUFFIXES)}; leave PICTURE out for an ASCII "
+                            "map on stdout")
+        writable_path(path, "--memory")
     memory, record = _bin(graph, rows)
-    if path is not None and Path(path).suffix.lower() in IMAGE_SUFFIXES:
+    if path is not None:
         if importlib.util.find_spec("matplotlib") is not None:
             return _draw(graph, rows, memory, record, path)
         note = f"matplotlib is not installed, so {path} was not drawn; an ASCII map instead"

@@ -114,13 +114,17 @@ def _intern_decisions(meta: dict[str, Any]) -> dict[str, Any]:
         return meta
     table: list[Any] = []
     index_of: dict[str, int] = {}
+    index_of_object: dict[int, int] = {}  # the bin pass shares one dict among like nodes
     compact = {}
     for node, per_bin in decisions.items():
-        key = json.dumps(per_bin, sort_keys=True)
-        if key not in index_of:
-            index_of[key] = len(table)
-            table.append(per_bin)
-        compact[node] = index_of[key]
+        index = index_of_object.get(id(per_bin))
+        if index is None:
+            key = json.dumps(per_bin, sort_keys=True)
+            index = index_of.setdefault(key, len(table))
+            if index == len(table):
+                table.append(per_bin)
+            index_of_object[id(per_bin)] = index
+        compact[node] = index
     return {**meta, "decisions": compact, "decision_table": table}
 
 

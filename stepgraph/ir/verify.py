@@ -53,11 +53,7 @@ def _check_program(graph: Graph) -> None:
     written: set[str] = set()
     producers: dict[str, str] = {}
     values = graph.values
-    # Temps and outputs (through views) must be written before they are read.
-    needs_writer = {
-        name: graph.root(name) for name, value in values.items()
-        if value.storage in (Storage.TEMP, Storage.OUTPUT)
-    }
+    writable = (Storage.TEMP, Storage.OUTPUT)
     for node in graph:
         opdef = OPS.get(node.op)
         if opdef is None:
@@ -68,26 +64,34 @@ def _check_program(graph: Graph) -> None:
         if opdef.num_outputs is not None and len(node.outputs) != opdef.num_outputs:
             _fail(f"{node.op} writes {opdef.num_outputs} outputs, not {len(node.outputs)}",
                   node.name)
+        ins = []
         for name in node.inputs:
-            if name not in values:
+            value = values.get(name)
+            if value is None:
                 _fail(f"reads unknown value {name}", node.name)
-            root = needs_writer.get(name)
-            if root is not None and root not in written:
-                _fail(f"reads {name} before anything writes it", node.name)
+                continue
+            ins.append(value.type)
+            # Temps and outputs (through views) must be written before they are read.
+            if value.storage in writable:
+                root = name if value.view is None else graph.root(name)
+                if root not in written:
+                    _fail(f"reads {name} before anything writes it", node.name)
         for name in node.updates:
-            value = graph.values.get(name)
+            value = values.get(name)
             if value is None or value.storage is not Storage.STATE:
                 _fail(f"updates {name}, which is not a state", node.name)
             elif value.owner != node.name:
                 _fail(f"updates state {name} owned by {value.owner}", node.name)
             if name not in node.inputs:
                 _fail(f"updates state {name} without reading it", node.name)
+        outs = []
         for name in node.outputs:
-            value = graph.values.get(name)
+            value = values.get(name)
             if value is None:
                 _fail(f"writes unknown value {name}", node.name)
                 continue
-            if value.storage not in (Storage.TEMP, Storage.OUTPUT):
+            outs.append(value.type)
+            if value.storage not in writable:
                 _fail(f"writes {name}, a {value.storage} (only temps and outputs are written)",
                       node.name)
             if value.view is not None:
@@ -97,14 +101,12 @@ def _check_program(graph: Graph) -> None:
             producers[name] = node.name
             written.add(name)
         try:
-            ins = [values[n].type for n in node.inputs]
-            outs = [values[n].type for n in node.outputs]
             opdef.rule(node, ins, outs)
         except TypeRuleError as error:
             _fail(f"{node.op}: {error}", node.name)
         except (IndexError, KeyError) as error:
             _fail(f"{node.op}: malformed operands ({type(error).__name__}: {error})", node.name)
-    for value in graph.values.values():
+    for value in values.values():
         if value.storage is Storage.STATE and value.owner is None:
             _fail(f"state {value.name} has no owner")
         if value.storage is Storage.OUTPUT and value.name not in written:

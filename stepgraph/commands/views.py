@@ -6,7 +6,6 @@ import json
 from collections import Counter
 from typing import Any
 
-from stepgraph.commands.floor_view import summary_floor, summary_floor_line
 from stepgraph.ir.graph import Graph
 from stepgraph.ir.nodes import Node
 from stepgraph.ir.ops import OPS
@@ -103,6 +102,14 @@ def pdl_chain(graph: Graph) -> dict[str, Any]:
     return result
 
 
+def _summary_floor(graph: Graph) -> dict[str, Any]:
+    """The summary's floor; the floor's modules load only when a summary is made (not when
+    `stepgraph compile` builds its parser)."""
+    from stepgraph.commands.floor_view import summary_floor
+
+    return summary_floor(graph)
+
+
 def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
     """The machine-readable summary (``inspect --format json``)."""
     layers = graph.meta.get("layers", [])
@@ -142,7 +149,7 @@ def summary_data(graph: Graph, document: dict[str, Any]) -> dict[str, Any]:
         "pdl": pdl_chain(graph),
         "tables": {k: v for k, v in graph.meta.get("tactics", {}).items()
                    if k in ("target", "version", "digest", "file")},
-        "floor": summary_floor(graph),
+        "floor": _summary_floor(graph),
     }
 
 
@@ -218,6 +225,8 @@ def summary_text(data: dict[str, Any], path: str) -> str:
                         else ""))
     lines.extend(pdl_lines(data.get("pdl", {})))
     if data.get("floor", {}).get("bins"):
+        from stepgraph.commands.floor_view import summary_floor_line
+
         lines.append(summary_floor_line(data["floor"]))
     planned = [b for b in data["bins"] if "memory" in b]
     if planned:
